@@ -1,0 +1,104 @@
+"""The main job end to end: start `ember --stdio`, open a real file over LSP, complete at a few
+cursors (inline and classic completion), and print each completion with its latency.
+
+    .venv/bin/python bench/demo.py [FILE] [--engine-url URL] [--model M]
+
+Writes bench/results/demo.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from lsprotocol import types
+from pygls.lsp.client import LanguageClient
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_FILE = ROOT / "tests" / "data" / "inventory.py"
+
+
+def cursors(text: str) -> list[tuple[str, int, int]]:
+    """Places an editor would ask: the end of a def line (new body), a half-typed line."""
+    lines = text.split("\n")
+    picks: list[tuple[str, int, int]] = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith("def ") and stripped.endswith(":") and i + 1 < len(lines):
+            picks.append(("body after def", i + 1, len(lines[i + 1]) - len(lines[i + 1].lstrip())))
+        if stripped.startswith("return ") and len(picks) < 6:
+            picks.append(("half a return line", i, len(line) - len(stripped) + len("return ")))
+    return picks[:4]
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", nargs="?", default=str(DEFAULT_FILE))
+    parser.add_argument("--engine-url", action="append", default=[])
+    parser.add_argument("--model")
+    args = parser.parse_args()
+
+    path = Path(args.file).resolve()
+    text = path.read_text()
+    uri = path.as_uri()
+    command = [sys.executable, "-m", "lsp", "--stdio", "--log-level", "WARNING"]
+    for url in args.engine_url:
+        command += ["--engine-url", url]
+    if args.model:
+        command += ["--model", args.model]
+
+    client = LanguageClient("ember-demo", "0.1")
+    started = time.perf_counter()
+    await client.start_io(*command)
+    await client.initialize_async(
+        types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options={"maxTokens": 48})
+    )
+    client.initialized(types.InitializedParams())
+    client.text_document_did_open(
+        types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=uri, language_id="python", version=1, text=text))
+    )
+    while not (await client.protocol.send_request_async("ember/stats", {})).engine.ready:
+        await asyncio.sleep(0.5)
+    load_s = time.perf_counter() - started
+    print(f"server up and model loaded in {load_s:.1f} s\n")
+
+    rows = []
+    for label, line, character in cursors(text):
+        position = types.Position(line=line, character=character)
+        t0 = time.perf_counter()
+        inline = await client.text_document_inline_completion_async(
+            types.InlineCompletionParams(
+                text_document=types.TextDocumentIdentifier(uri=uri),
+                position=position,
+                context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked),
+            )
+        )
+        client_ms = (time.perf_counter() - t0) * 1000
+        stats = await client.protocol.send_request_async("ember/stats", {})
+        last = stats.last._asdict() if stats.last else {}
+        completion = inline.items[0].insert_text if inline and inline.items else ""
+        print(f"--- {path.name}:{line + 1}:{character + 1} ({label})")
+        print(text.split("\n")[line][:character] + "\033[2m" + completion + "\033[0m")
+        print(
+            f"    latency {last.get('latency_ms', 0):.0f} ms (client saw {client_ms:.0f} ms), ttft "
+            f"{last.get('ttft_ms') or 0:.0f} ms, prompt {last.get('prompt_tokens')} tokens, "
+            f"cached {last.get('cached_tokens')}, cache_hit {last.get('cache_hit')}\n"
+        )
+        rows.append({"label": label, "line": line, "character": character, "completion": completion, "client_ms": client_ms, **last})
+
+    await client.shutdown_async(None)
+    client.exit(None)
+    await client.stop()
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo.json").write_text(json.dumps({"file": str(path), "load_s": load_s, "requests": rows}, indent=2))
+    print(f"wrote {out / 'demo.json'}")
+    return 0 if any(r["completion"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,183 @@
+// Pure parts of the ember extension: settings -> server command line, TCP target,
+// initializationOptions, and status-bar texts. No `vscode` import, so node's test runner can
+// test it (src/test/config.test.ts).
+
+export interface EmberSettings {
+  /** The `ember` executable, started with --stdio. */
+  serverPath: string;
+  /** Extra command-line arguments. */
+  serverArgs: string[];
+  /** "HOST:PORT" of a running `ember --tcp` server; empty: start one over stdio. */
+  tcp: string;
+  /** Token for TCP servers started with --token. */
+  token: string;
+  model: string;
+  engineUrl: string[];
+  maxTokens: number | undefined;
+  debounceMs: number | undefined;
+  contextTokens: number | undefined;
+  temperature: number | undefined;
+  /** Also show ember's item in the suggest widget (it is always shown as ghost text). */
+  suggestWidget: boolean;
+}
+
+export const DEFAULT_SETTINGS: EmberSettings = {
+  serverPath: 'ember',
+  serverArgs: [],
+  tcp: '',
+  token: '',
+  model: '',
+  engineUrl: [],
+  maxTokens: undefined,
+  debounceMs: undefined,
+  contextTokens: undefined,
+  temperature: undefined,
+  suggestWidget: false,
+};
+
+function str(v: unknown, fallback: string): string {
+  return typeof v === 'string' ? v.trim() : fallback;
+}
+
+function num(v: unknown, integer: boolean): number | undefined {
+  if (v === null || v === undefined || v === '') return undefined;
+  const n = typeof v === 'number' ? v : Number(v);
+  if (!Number.isFinite(n)) return undefined;
+  return integer ? Math.trunc(n) : n;
+}
+
+function urls(v: unknown): string[] {
+  const list = Array.isArray(v) ? v : typeof v === 'string' ? v.split(/[\s,]+/) : [];
+  return list.filter((u): u is string => typeof u === 'string').map((u) => u.trim()).filter((u) => u !== '');
+}
+
+/**
+ * Reads and normalizes settings through `get(key)` (in the extension:
+ * `workspace.getConfiguration('ember').get`). Unknown or malformed values fall back to defaults.
+ */
+export function readSettings(get: (key: string) => unknown): EmberSettings {
+  const args = get('serverArgs');
+  return {
+    serverPath: str(get('serverPath'), DEFAULT_SETTINGS.serverPath) || DEFAULT_SETTINGS.serverPath,
+    serverArgs: Array.isArray(args) ? args.filter((a): a is string => typeof a === 'string') : [],
+    tcp: str(get('tcp'), ''),
+    token: str(get('token'), ''),
+    model: str(get('model'), ''),
+    engineUrl: urls(get('engineUrl')),
+    maxTokens: num(get('maxTokens'), true),
+    debounceMs: num(get('debounceMs'), true),
+    contextTokens: num(get('contextTokens'), true),
+    temperature: num(get('temperature'), false),
+    suggestWidget: get('suggestWidget') === true,
+  };
+}
+
+/**
+ * The server's settings object (camelCase keys of the ember protocol), sent as
+ * `initializationOptions` and as `workspace/didChangeConfiguration` `{settings: {ember: ...}}`.
+ * Empty values are left out so the server keeps its defaults.
+ */
+export function toInitializationOptions(s: EmberSettings): Record<string, unknown> {
+  const o: Record<string, unknown> = {};
+  if (s.model) o.model = s.model;
+  if (s.engineUrl.length === 1) o.engineUrl = s.engineUrl[0];
+  else if (s.engineUrl.length > 1) o.engineUrl = [...s.engineUrl];
+  if (s.maxTokens !== undefined) o.maxTokens = s.maxTokens;
+  if (s.debounceMs !== undefined) o.debounceMs = s.debounceMs;
+  if (s.contextTokens !== undefined) o.contextTokens = s.contextTokens;
+  if (s.temperature !== undefined) o.temperature = s.temperature;
+  if (s.token) o.token = s.token;
+  return o;
+}
+
+export interface HostPort {
+  host: string;
+  port: number;
+}
+
+/** Parses "HOST:PORT", "[IPv6]:PORT", ":PORT" or "PORT" (host defaults to 127.0.0.1). */
+export function parseHostPort(spec: string): HostPort {
+  const s = spec.trim();
+  let host = '127.0.0.1';
+  let portText: string;
+  const v6 = /^\[([^\]]+)\]:(\d+)$/.exec(s);
+  if (v6) {
+    host = v6[1];
+    portText = v6[2];
+  } else if (/^\d+$/.test(s)) {
+    portText = s;
+  } else {
+    const i = s.lastIndexOf(':');
+    if (i < 0) throw new Error(`ember.tcp must be HOST:PORT, got "${spec}"`);
+    if (i > 0) host = s.slice(0, i);
+    portText = s.slice(i + 1);
+    if (host.includes(':')) throw new Error(`ember.tcp: write IPv6 hosts as [ADDR]:PORT, got "${spec}"`);
+  }
+  const port = Number(portText);
+  if (!/^\d+$/.test(portText) || port < 1 || port > 65535) {
+    throw new Error(`ember.tcp: bad port in "${spec}"`);
+  }
+  return { host, port };
+}
+
+export type Connection =
+  | { kind: 'stdio'; command: string; args: string[] }
+  | { kind: 'tcp'; host: string; port: number };
+
+/**
+ * How to reach the server: connect to `ember --tcp` when `tcp` is set, else start
+ * `ember --stdio` with the settings the CLI also takes (so the right model loads at once).
+ */
+export function connection(s: EmberSettings): Connection {
+  if (s.tcp) {
+    return { kind: 'tcp', ...parseHostPort(s.tcp) };
+  }
+  const args = ['--stdio'];
+  if (s.model) args.push('--model', s.model);
+  for (const url of s.engineUrl) args.push('--engine-url', url);
+  if (s.maxTokens !== undefined) args.push('--max-tokens', String(s.maxTokens));
+  if (s.debounceMs !== undefined) args.push('--debounce-ms', String(s.debounceMs));
+  args.push(...s.serverArgs);
+  return { kind: 'stdio', command: s.serverPath, args };
+}
+
+/** True when a settings change needs a new server process or connection. */
+export function needsRestart(before: EmberSettings, after: EmberSettings): boolean {
+  return JSON.stringify(connection(before)) !== JSON.stringify(connection(after)) || before.token !== after.token;
+}
+
+export interface ProgressState {
+  title?: string;
+  message?: string;
+  percentage?: number;
+}
+
+export type ClientState = 'starting' | 'running' | 'stopped' | 'error';
+
+export interface StatusText {
+  text: string;
+  tooltip: string;
+}
+
+/** The status-bar item for a client state, in-flight work-done progress and the last error. */
+export function statusText(state: ClientState, progress?: ProgressState, error?: string): StatusText {
+  if (state === 'error') {
+    return { text: '$(error) ember', tooltip: `ember: ${error || 'error'} (click for the log)` };
+  }
+  if (progress) {
+    // ember titles its progress "ember": no need to say it twice.
+    const title = progress.title?.trim().toLowerCase() === 'ember' ? undefined : progress.title;
+    const parts = [title, progress.message].filter((p) => p && p.trim() !== '');
+    let detail = parts.join(': ');
+    if (progress.percentage !== undefined) detail += ` ${Math.round(progress.percentage)}%`;
+    return { text: `$(loading~spin) ember: ${detail.trim()}`, tooltip: `ember: ${detail.trim()}` };
+  }
+  switch (state) {
+    case 'starting':
+      return { text: '$(loading~spin) ember', tooltip: 'ember: starting the server' };
+    case 'running':
+      return { text: '$(sparkle) ember', tooltip: 'ember: ready (click for the log)' };
+    default:
+      return { text: '$(circle-slash) ember', tooltip: 'ember: stopped (click for the log)' };
+  }
+}

@@ -1,0 +1,85 @@
+"""What every engine offers: an abortable async stream of text for a prompt.
+
+``lsp`` talks to engines only through :class:`Engine`; the embedded vLLM engine and the remote
+OpenAI-compatible client both implement it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve a request (not loaded, down, died mid-stream). The message says why."""
+
+
+class EngineNotReady(EngineError):
+    """The model is still loading."""
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Chunk:
+    """A piece of generated text with what the engine reported about the prompt.
+
+    ``prompt_tokens`` and ``cached_tokens`` are set on the first chunk when the engine knows them
+    (vLLM's ``num_cached_tokens``: prefix-cache hits).
+    """
+
+    text: str
+    token_count: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the prompt builder needs to know about the loaded model."""
+
+    name: str
+    max_model_len: int
+    special_tokens: frozenset[str] = field(default_factory=frozenset)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    def count(self, text: str) -> int: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An abortable source of completions."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def model(self) -> ModelInfo: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    async def start(self) -> None:
+        """Load the model (or connect); may take a while. Raises EngineError on failure."""
+
+    def stream(
+        self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
+    ) -> AsyncIterator[Chunk]:
+        """Generate for ``prompt``; cancelling the consuming task or calling :meth:`abort` stops it.
+
+        ``routing_key`` (the prompt's prefix key) lets an engine with several replicas send prompts
+        that share a prefix to the replica that already holds its KV blocks."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,722 @@
+"""OpenAI-compatible completion servers over HTTP (vLLM, llama.cpp server, Ollama), one or many.
+
+Each request streams ``/v1/completions`` (SSE) from one replica, chosen by rendezvous hashing on
+the prompt's prefix key so that a document keeps hitting the replica that holds its KV blocks
+(``engine.routing``). A replica that fails before the first token is taken out and the request
+moves on to the next one; once text has reached the caller a broken stream is an error, since the
+caller already used that text. Down replicas are probed back in by a background task, which also
+polls vLLM's ``/metrics`` for load.
+
+Token counts for prompt budgets: when the model (its served name, or the ``root`` folder that vLLM
+reports) is a local folder with tokenizer files, its own tokenizer counts; otherwise
+:class:`ApproxTokenizer` estimates 1 token per 3.5 characters (about right for code with BPE
+vocabularies; budgets should keep a margin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo, Tokenizer
+from engine.routing import (
+    LoadPolicy,
+    Replica,
+    Sample,
+    metric_sum,
+    normalize_url,
+    order,
+    parse_prometheus,
+    probe_delay,
+    redact_url,
+)
+
+log = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class ApproxTokenizer:
+    """Estimates tokens as characters / 3.5 when the model's tokenizer is not available locally."""
+
+    chars_per_token = 3.5
+
+    def count(self, text: str) -> int:
+        return math.ceil(len(text) / self.chars_per_token)
+
+
+class _AttemptFailed(Exception):
+    """The replica failed before any text reached the caller: another replica may serve it."""
+
+    def __init__(self, message: str, *, mark_down: bool = True) -> None:
+        super().__init__(message)
+        self.mark_down = mark_down
+
+
+class _Malformed(Exception):
+    """The server sent something that is not an OpenAI completion stream."""
+
+
+_DONE = object()  # the `data: [DONE]` sentinel
+
+
+@dataclass
+class _End:
+    """The producer's last word: a clean end, an error, or that it was cancelled."""
+
+    error: BaseException | None = None
+    cancelled: bool = False
+
+
+@dataclass
+class _Active:
+    producer: asyncio.Task[None]
+    replica: Replica
+    aborted: bool = False
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """A snapshot of one replica for stats and tests (credentials removed from the URL)."""
+
+    name: str
+    up: bool
+    failures: int
+    inflight: int
+    waiting: float | None
+    running: float | None
+    kv_usage: float | None
+    last_error: str | None
+
+
+@dataclass
+class _Usage:
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _parse_usage(usage: Any) -> _Usage | None:
+    """Servers differ: vLLM sends prompt_tokens_details.cached_tokens (with
+    --enable-prompt-tokens-details), llama.cpp and Ollama may send less or nothing."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return _Usage(
+        prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+        cached_tokens=_int_or_none(cached),
+        completion_tokens=_int_or_none(usage.get("completion_tokens")),
+    )
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    """``text`` for completions; ``delta.content`` tolerated for servers that answer chat-style."""
+    text = choice.get("text")
+    if isinstance(text, str):
+        return text
+    delta = choice.get("delta")
+    if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+        return delta["content"]
+    return ""
+
+
+def _sse_data(line: str) -> str | None:
+    """The payload of a ``data:`` line; other SSE fields, comments and keepalives give None."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:]
+    return data[1:] if data.startswith(" ") else data
+
+
+def _decode_event(data: str) -> dict[str, Any] | object:
+    if data.strip() == "[DONE]":
+        return _DONE
+    try:
+        event = json.loads(data)
+    except ValueError as exc:
+        raise _Malformed(f"invalid JSON in the event stream: {data[:80]!r}") from exc
+    if not isinstance(event, dict):
+        raise _Malformed(f"unexpected event in the stream: {data[:80]!r}")
+    return event
+
+
+async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | object]:
+    """SSE events from lines. A data line that is complete JSON is dispatched at once (some servers
+    omit the blank line between events); multi-line data is joined at the blank line."""
+    pending: list[str] = []
+    async for line in lines:
+        if not line:
+            if pending:
+                yield _decode_event("\n".join(pending))
+                pending = []
+            continue
+        data = _sse_data(line)
+        if data is None:
+            continue
+        if not pending:
+            try:
+                yield _decode_event(data)
+                continue
+            except _Malformed:
+                pass
+        pending.append(data)
+    if pending:
+        yield _decode_event("\n".join(pending))
+
+
+def _describe(exc: BaseException) -> str:
+    """``ReadTimeout`` or ``ConnectError: [Errno 111] ...``: httpx messages are often empty."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _local_tokenizer_dir(candidate: str | None) -> str | None:
+    if not candidate:
+        return None
+    path = Path(os.path.expanduser(candidate))
+    if path.is_dir() and any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return str(path)
+    return None
+
+
+def _load_hf_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class RemoteEngine:
+    """One or more OpenAI-compatible servers serving the same model (replicas)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        model: str | None = None,
+        *,
+        api_key_env: str = "EMBER_API_KEY",
+        connect_timeout: float = 3.0,
+        first_token_timeout: float = 5.0,
+        read_timeout: float = 10.0,
+        probe_timeout: float = 3.0,
+        probe_initial: float = 1.0,
+        probe_max: float = 30.0,
+        metrics_interval: float = 2.0,
+        silent_polls_down: int = 2,
+        load_policy: LoadPolicy = LoadPolicy(),
+        tokenizer_path: str | None = None,
+        default_max_model_len: int = 2048,
+        max_connections: int = 64,
+        verify: bool | str | ssl.SSLContext = True,
+    ) -> None:
+        """``connect_timeout``: TCP/TLS connect. ``first_token_timeout``: request sent -> first
+        text (queueing and prefill included); past it the replica counts as failed and the next one
+        is tried. ``read_timeout``: the longest gap between two events once text flows.
+        ``probe_*``: backoff of the background probe that brings a down replica back.
+        ``metrics_interval``: how often live replicas' /metrics are read (only with several
+        replicas); ``silent_polls_down`` polls in a row without an answer take a replica out.
+        ``verify``: TLS verification: True (system CAs), False, a CA bundle path or an SSLContext."""
+        if not urls:
+            raise ValueError("RemoteEngine needs at least one URL")
+        self.replicas = [Replica(url=u, name=redact_url(u)) for u in dict.fromkeys(normalize_url(u) for u in urls)]
+        self._requested_model = model
+        self._api_key = os.environ.get(api_key_env) or None
+        self.connect_timeout = connect_timeout
+        self.first_token_timeout = first_token_timeout
+        self.read_timeout = read_timeout
+        self.probe_timeout = probe_timeout
+        self.probe_initial = probe_initial
+        self.probe_max = probe_max
+        self.metrics_interval = metrics_interval
+        self.silent_polls_down = silent_polls_down
+        self.load_policy = load_policy
+        self._tokenizer_path = tokenizer_path
+        self._default_max_model_len = default_max_model_len
+        self._max_connections = max_connections
+        self._verify = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
+        self._client: httpx.AsyncClient | None = None
+        self._model: ModelInfo | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._active: dict[str, _Active] = {}
+        self._monitor: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    # -- Engine protocol -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._model is not None and self._client is not None
+
+    @property
+    def model(self) -> ModelInfo:
+        if self._model is None:
+            raise EngineNotReady("not connected to the engine server yet")
+        return self._model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise EngineNotReady("not connected to the engine server yet")
+        return self._tokenizer
+
+    async def start(self) -> None:
+        """Ask every replica for its models; the first that answers names the model. Replicas that
+        do not answer start out down and are probed in the background."""
+        self._client = self._client or self._make_client()
+        answers = await asyncio.gather(*(self._list_models(r) for r in self.replicas))
+        alive = [(r, models) for r, models in zip(self.replicas, answers) if models is not None]
+        if not alive:
+            reasons = "; ".join(f"{r.name}: {r.last_error}" for r in self.replicas)
+            raise EngineError(self._scrub(f"no engine server answered ({reasons})"))
+        name, lengths, roots = self._pick_model(alive)
+        hf_tok = await self._load_tokenizer(name, roots)
+        special: frozenset[str] = frozenset()
+        if hf_tok is not None:
+            from engine.embedded import HFTokenizer
+
+            vocab = hf_tok.get_vocab() if hasattr(hf_tok, "get_vocab") else {}
+            special = frozenset(t for t in vocab if t.startswith(("<", "[", "▁<")))
+            self._tokenizer = HFTokenizer(hf_tok)
+        else:
+            self._tokenizer = ApproxTokenizer()
+        max_len = min(lengths) if lengths else self._default_max_model_len
+        self._model = ModelInfo(name=name, max_model_len=max_len, special_tokens=special)
+        if self._monitor is None:
+            self._monitor = asyncio.create_task(self._watch(), name="ember-remote-monitor")
+        log.info(
+            "remote engine: model %s (max_model_len %d) on %d of %d replicas: %s",
+            name, max_len, len(alive), len(self.replicas), ", ".join(r.name for r, _ in alive),
+        )
+
+    async def stream(
+        self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
+    ) -> AsyncIterator[Chunk]:
+        if not self.ready:
+            raise EngineNotReady("not connected to the engine server yet")
+        body = self._body(prompt, params)
+        failures: list[str] = []
+        for replica in order(self.replicas, routing_key, request_id, self.load_policy):
+            try:
+                async with contextlib.aclosing(self._attempt(replica, body, request_id)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                replica.failures = 0
+                return
+            except _AttemptFailed as exc:
+                # Only raised while nothing had been yielded: the next replica can start afresh.
+                message = self._scrub(str(exc))
+                failures.append(message)
+                if exc.mark_down:
+                    self._mark_down(replica, message)
+                log.info("request %s: %s; trying the next replica", request_id, message)
+        raise EngineError(self._scrub("no engine server could serve the request: " + "; ".join(failures)))
+
+    async def abort(self, request_id: str) -> None:
+        active = self._active.get(request_id)
+        if active is None:
+            return  # already finished, like vLLM's abort of an unknown id
+        active.aborted = True
+        active.producer.cancel()
+        # Closing the connection is what makes vLLM abort: wait until it is closed.
+        await asyncio.gather(active.producer, return_exceptions=True)
+
+    async def close(self) -> None:
+        for active in list(self._active.values()):
+            active.producer.cancel()
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+            self._monitor = None
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    def replica_status(self) -> list[ReplicaStatus]:
+        return [
+            ReplicaStatus(r.name, r.up, r.failures, r.inflight, r.waiting, r.running, r.kv_usage, r.last_error)
+            for r in self.replicas
+        ]
+
+    def route(self, routing_key: str | None, request_id: str = "") -> list[str]:
+        """The replicas (redacted URLs) a request with this key would try now, in order."""
+        return [r.name for r in order(self.replicas, routing_key, request_id, self.load_policy)]
+
+    # -- one attempt on one replica ---------------------------------------------------------------
+
+    def _body(self, prompt: str, params: GenerationParams) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model.name,
+            "prompt": prompt,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "stream": True,
+            # The final event then carries usage (vLLM: with prompt_tokens_details.cached_tokens).
+            "stream_options": {"include_usage": True},
+        }
+        if params.stop:
+            body["stop"] = list(params.stop)
+        return body
+
+    async def _produce(self, replica: Replica, body: dict[str, Any], request_id: str, queue: asyncio.Queue[Any]) -> None:
+        """Reads one HTTP response into ``queue``; always ends with an :class:`_End`."""
+        assert self._client is not None
+        try:
+            async with self._client.stream(
+                "POST", f"{replica.url}/v1/completions", json=body, headers={"X-Request-Id": request_id}
+            ) as response:
+                if response.status_code >= 400:
+                    raise self._status_error(replica, response.status_code, await response.aread())
+                if "json" in response.headers.get("content-type", ""):
+                    # A server that ignored `stream: true` answers with one JSON object.
+                    queue.put_nowait(_decode_event((await response.aread()).decode("utf-8", "replace")))
+                    queue.put_nowait(_DONE)
+                else:
+                    async for event in _events(response.aiter_lines()):
+                        queue.put_nowait(event)
+            queue.put_nowait(_End())
+        except asyncio.CancelledError:
+            queue.put_nowait(_End(cancelled=True))
+            raise
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            queue.put_nowait(_End(_AttemptFailed(f"cannot connect to {replica.name} ({_describe(exc)})")))
+        except httpx.HTTPError as exc:  # read/write errors, protocol errors, a closed connection
+            queue.put_nowait(_End(_AttemptFailed(f"the connection to {replica.name} failed ({_describe(exc)})")))
+        except _Malformed as exc:
+            queue.put_nowait(_End(_AttemptFailed(f"{replica.name} sent a malformed stream: {exc}")))
+        except (_AttemptFailed, EngineError) as exc:
+            queue.put_nowait(_End(exc))
+        except Exception as exc:  # never leave the consumer waiting
+            queue.put_nowait(_End(_AttemptFailed(f"reading from {replica.name} failed: {exc!r}")))
+
+    def _status_error(self, replica: Replica, status: int, body: bytes) -> Exception:
+        detail = body[:300].decode("utf-8", "replace").strip()
+        message = f"{replica.name} answered HTTP {status}: {detail}"
+        if status >= 500:
+            return _AttemptFailed(message)
+        if status in (408, 429):  # busy, not broken: try another replica but keep this one in
+            return _AttemptFailed(message, mark_down=False)
+        # 4xx: the request itself is wrong (bad model name, prompt too long): no replica will take it.
+        return EngineError(self._scrub(message))
+
+    async def _attempt(self, replica: Replica, body: dict[str, Any], request_id: str) -> AsyncIterator[Chunk]:
+        """Chunks from one replica. Raises _AttemptFailed only while no text has been yielded.
+
+        Text chunks count one token each (one SSE event is one decode step on vLLM and llama.cpp);
+        the last chunk, empty, carries finish_reason and the server's usage: prompt_tokens,
+        cached_tokens, and the token count that makes the total equal ``completion_tokens``."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        producer = asyncio.create_task(self._produce(replica, body, request_id, queue))
+        active = _Active(producer, replica)
+        self._active[request_id] = active
+        replica.inflight += 1
+        first_deadline = loop.time() + self.first_token_timeout
+        yielded = 0  # text chunks handed to the caller
+        counted = 0  # tokens reported in those chunks
+        final: Chunk | None = None  # finish_reason known; usage may still come
+        usage: _Usage | None = None
+        done = False
+        try:
+            while True:
+                if active.aborted:
+                    # Text already queued is dropped: the caller asked for no more.
+                    final = Chunk(text="", finish_reason="abort")
+                    break
+                if final is not None:
+                    # Finished: wait briefly for the usage event and [DONE], reading to the end keeps
+                    # the connection reusable.
+                    timeout = min(self.read_timeout, 2.0)
+                elif yielded:
+                    timeout = self.read_timeout
+                else:
+                    timeout = max(0.0, first_deadline - loop.time())
+                try:
+                    async with asyncio.timeout(timeout):
+                        item = await queue.get()
+                except TimeoutError:
+                    if final is not None:
+                        break
+                    if yielded:
+                        message = f"no token for {self.read_timeout:g} s after {yielded} chunks"
+                        self._mark_down(replica, self._scrub(f"{replica.name} stalled: {message}"))
+                        raise EngineError(f"the stream from {replica.name} broke mid-stream: {message}") from None
+                    raise _AttemptFailed(
+                        f"{replica.name} sent no token within {self.first_token_timeout:g} s"
+                    ) from None
+                if item is _DONE:
+                    done = True
+                    break
+                if isinstance(item, _End):
+                    if item.cancelled:  # close() of the engine
+                        final = Chunk(text="", finish_reason="abort")
+                        break
+                    if item.error is None or final is not None:
+                        break  # a clean end, or trouble after the completion was complete
+                    if yielded:
+                        # The caller already has part of the text: it cannot be replayed elsewhere.
+                        self._mark_down(replica, self._scrub(str(item.error)))
+                        raise EngineError(
+                            self._scrub(f"the stream from {replica.name} broke mid-stream after {yielded} chunks: {item.error}")
+                        ) from item.error
+                    raise item.error
+                if "error" in item:
+                    error = item["error"]
+                    detail = error.get("message", error) if isinstance(error, dict) else error
+                    raise EngineError(self._scrub(f"{replica.name} reported an error: {detail}"))
+                usage = _parse_usage(item.get("usage")) or usage
+                for choice in item.get("choices") or ():
+                    if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                        continue
+                    text = _choice_text(choice)
+                    finish = choice.get("finish_reason")
+                    if text:
+                        yielded += 1
+                        counted += 1
+                        yield Chunk(text=text, token_count=1)
+                    if finish:
+                        final = Chunk(text="", finish_reason=str(finish))
+            if final is None:
+                if not done:
+                    if yielded:
+                        self._mark_down(replica, f"{replica.name} closed a stream before it finished")
+                        raise EngineError(
+                            f"the stream from {replica.name} broke mid-stream after {yielded} chunks: "
+                            "the connection closed before the completion finished"
+                        )
+                    raise _AttemptFailed(f"{replica.name} closed the stream without a completion")
+                final = Chunk(text="", finish_reason="stop")  # [DONE] without a finish_reason
+            if usage is not None:
+                final.prompt_tokens = usage.prompt_tokens
+                final.cached_tokens = usage.cached_tokens
+                if usage.completion_tokens is not None and usage.completion_tokens >= counted:
+                    final.token_count = usage.completion_tokens - counted
+            yield final
+        finally:
+            replica.inflight -= 1
+            if self._active.get(request_id) is active:
+                del self._active[request_id]
+            if not producer.done():
+                # Closing the response closes the connection, and vLLM aborts the request.
+                producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)
+
+    # -- health ----------------------------------------------------------------------------------
+
+    def _mark_down(self, replica: Replica, reason: str) -> None:
+        replica.failures += 1
+        replica.last_error = reason
+        delay = probe_delay(replica.failures, self.probe_initial, self.probe_max)
+        replica.next_probe = asyncio.get_running_loop().time() + delay
+        if replica.up:
+            log.warning("engine replica %s is down (%s); probing again in %.1f s", replica.name, reason, delay)
+        replica.up = False
+        self._wake.set()
+
+    async def _list_models(self, replica: Replica) -> list[dict[str, Any]] | None:
+        """``/v1/models`` entries, [] for a live server that does not list models, None if down."""
+        assert self._client is not None
+        try:
+            response = await self._client.get(f"{replica.url}/v1/models", timeout=self._probe_timeouts())
+        except httpx.HTTPError as exc:
+            self._mark_down(replica, self._scrub(f"cannot reach {replica.name} ({_describe(exc)})"))
+            return None
+        if response.status_code == 404:
+            return []
+        if response.status_code >= 400:
+            self._mark_down(replica, self._scrub(f"{replica.name} answered HTTP {response.status_code} on /v1/models"))
+            return None
+        try:
+            data = response.json().get("data") or []
+        except (ValueError, AttributeError):
+            data = []
+        return [d for d in data if isinstance(d, dict)]
+
+    def _pick_model(
+        self, alive: list[tuple[Replica, list[dict[str, Any]]]]
+    ) -> tuple[str, list[int], list[str]]:
+        name = self._requested_model
+        if name is None:
+            for _, models in alive:
+                if models and isinstance(models[0].get("id"), str):
+                    name = models[0]["id"]
+                    break
+        if name is None:
+            raise EngineError(
+                "the engine server does not list its models (/v1/models): name the model with --model"
+            )
+        lengths: list[int] = []
+        roots: list[str] = []
+        for replica, models in alive:
+            entry = next((m for m in models if m.get("id") == name), None)
+            if entry is None:
+                if models:
+                    listed = ", ".join(str(m.get("id")) for m in models)
+                    log.warning("replica %s does not list model %s (it lists: %s)", replica.name, name, listed)
+                continue
+            length = _int_or_none(entry.get("max_model_len"))
+            meta = entry.get("meta")
+            if length is None and isinstance(meta, dict):  # llama.cpp reports its context in meta
+                length = _int_or_none(meta.get("n_ctx")) or _int_or_none(meta.get("n_ctx_train"))
+            if length:
+                lengths.append(length)
+            if isinstance(entry.get("root"), str):
+                roots.append(entry["root"])
+        return name, lengths, roots
+
+    async def _load_tokenizer(self, name: str, roots: list[str]) -> Any:
+        for candidate in (self._tokenizer_path, name, *roots):
+            path = _local_tokenizer_dir(candidate)
+            if path is None:
+                continue
+            try:
+                return await asyncio.to_thread(_load_hf_tokenizer, path)
+            except Exception as exc:
+                log.warning("could not load the tokenizer in %s (%s); estimating token counts", path, exc)
+        log.info("no local tokenizer for %s: estimating 1 token per %.1f characters", name, ApproxTokenizer.chars_per_token)
+        return None
+
+    async def _probe(self, replica: Replica) -> None:
+        """Bring a down replica back when it answers /health (vLLM) or /v1/models (others)."""
+        assert self._client is not None
+        try:
+            response = await self._client.get(f"{replica.url}/health", timeout=self._probe_timeouts())
+            if response.status_code in (404, 405):
+                response = await self._client.get(f"{replica.url}/v1/models", timeout=self._probe_timeouts())
+            healthy = response.status_code < 400
+            reason = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            healthy = False
+            reason = _describe(exc)
+        if healthy:
+            log.warning("engine replica %s is back", replica.name)
+            replica.up = True
+            replica.silent_polls = 0
+            replica.metrics_due = 0.0
+            return
+        self._mark_down(replica, self._scrub(f"probe of {replica.name} failed ({reason})"))
+
+    async def _poll_metrics(self, replica: Replica) -> None:
+        assert self._client is not None
+        loop = asyncio.get_running_loop()
+        replica.metrics_due = loop.time() + self.metrics_interval
+        try:
+            response = await self._client.get(f"{replica.url}/metrics", timeout=self._probe_timeouts())
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # Refused: the server is gone. A slow answer is not enough: a busy CPU server is slow.
+            self._mark_down(replica, self._scrub(f"cannot connect to {replica.name} ({type(exc).__name__})"))
+            return
+        except httpx.HTTPError as exc:
+            # A busy vLLM still answers /metrics (its API server is not the engine core), so
+            # repeated silence means a frozen host; requests that a caller cancels before their
+            # first-token deadline would never reveal it.
+            replica.silent_polls += 1
+            if replica.silent_polls >= self.silent_polls_down:
+                self._mark_down(replica, self._scrub(f"{replica.name} did not answer /metrics {replica.silent_polls} times ({type(exc).__name__})"))
+            return
+        replica.silent_polls = 0
+        if response.status_code == 404:
+            replica.has_metrics = False  # not vLLM: routing falls back to local in-flight counts
+            return
+        if response.status_code >= 400:
+            return
+        samples = parse_prometheus(response.text)
+        replica.waiting = metric_sum(samples, "vllm:num_requests_waiting")
+        replica.running = metric_sum(samples, "vllm:num_requests_running")
+        replica.kv_usage = metric_sum(samples, "vllm:kv_cache_usage_perc")
+
+    async def _watch(self) -> None:
+        """Probe down replicas when their backoff expires and poll /metrics of live ones."""
+        loop = asyncio.get_running_loop()
+        multi = len(self.replicas) > 1
+        while True:
+            now = loop.time()
+            jobs = []
+            for r in self.replicas:
+                if not r.up and now >= r.next_probe:
+                    jobs.append(self._probe(r))
+                elif r.up and multi and r.has_metrics and now >= r.metrics_due:
+                    jobs.append(self._poll_metrics(r))
+            if jobs:
+                await asyncio.gather(*jobs, return_exceptions=True)
+            now = loop.time()
+            dues = [r.next_probe for r in self.replicas if not r.up]
+            if multi:
+                dues += [r.metrics_due for r in self.replicas if r.up and r.has_metrics]
+            delay = min(dues, default=now + 60.0) - now
+            self._wake.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.05, delay)):
+                    await self._wake.wait()
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _make_client(self) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        try:
+            import h2  # noqa: F401  (httpx needs it for HTTP/2)
+
+            http2 = True
+        except ImportError:
+            http2 = False
+        return httpx.AsyncClient(
+            # HTTP/2 is negotiated over TLS when the server offers it; vLLM speaks HTTP/1.1, where
+            # keep-alive pooling saves a connect per request.
+            http2=http2,
+            verify=self._verify,
+            headers=headers,
+            # No httpx read timeout: first-token and between-token deadlines are enforced per
+            # request, where a timeout can move the request to another replica.
+            timeout=httpx.Timeout(connect=self.connect_timeout, read=None, write=self.connect_timeout, pool=self.connect_timeout),
+            limits=httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=self._max_connections),
+        )
+
+    def _probe_timeouts(self) -> httpx.Timeout:
+        return httpx.Timeout(self.probe_timeout, connect=self.connect_timeout)
+
+    def _scrub(self, message: str) -> str:
+        """The API key never appears in messages, even if a server echoes it back."""
+        if self._api_key:
+            message = message.replace(self._api_key, "***")
+        return message
+
+
+async def fetch_metrics(url: str, client: httpx.AsyncClient | None = None, timeout: float = 5.0) -> list[Sample]:
+    """The Prometheus samples of one server's /metrics ([] when it has none)."""
+    base = normalize_url(url)
+    async with contextlib.AsyncExitStack() as stack:
+        if client is None:
+            client = await stack.enter_async_context(httpx.AsyncClient(timeout=timeout))
+        response = await client.get(f"{base}/metrics", timeout=timeout)
+        if response.status_code >= 400:
+            return []
+        return parse_prometheus(response.text)
+
+
+async def prefix_cache_hits(url: str, client: httpx.AsyncClient | None = None) -> float | None:
+    """vLLM's prefix-cache hit counter (tokens) on one server; None if the server does not export it."""
+    return metric_sum(await fetch_metrics(url, client), "vllm:prefix_cache_hits_total")
+
+
+async def finished_requests(url: str, client: httpx.AsyncClient | None = None) -> float | None:
+    """Requests one vLLM server finished, aborted ones left out."""
+    samples = await fetch_metrics(url, client)
+    return metric_sum(samples, "vllm:request_success_total", exclude={"finished_reason": "abort"})
+

@@ -1,0 +1,5 @@
+import sys
+
+from lsp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""Settings from the command line, ``initializationOptions`` and ``workspace/didChangeConfiguration``.
+
+Clients send camelCase keys (``maxTokens``); the CLI uses ``--max-tokens``; both land in
+:class:`Settings`. Wrong values raise :class:`ConfigError` whose message names the key and what
+was expected, so the editor can show it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str | None = None
+    engine_url: tuple[str, ...] = ()
+    max_tokens: int = 64
+    temperature: float = 0.0
+    debounce_ms: int = 0
+    context_tokens: int = 1024
+    suffix_tokens: int = 256
+    timeout_ms: int = 15000
+    fim_template: str | None = None
+    max_document_bytes: int = 10_000_000
+    cross_file: bool = True
+
+
+# key -> (type, lower bound, upper bound)
+_LIMITS: dict[str, tuple[type, float | None, float | None]] = {
+    "max_tokens": (int, 1, 4096),
+    "temperature": (float, 0.0, 2.0),
+    "debounce_ms": (int, 0, 5000),
+    "context_tokens": (int, 16, 131072),
+    "suffix_tokens": (int, 0, 131072),
+    "timeout_ms": (int, 100, 600000),
+    "max_document_bytes": (int, 1024, 1 << 31),
+}
+
+_FIELDS = {f.name for f in dataclasses.fields(Settings)}
+
+
+def snake_case(key: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower().replace("-", "_")
+
+
+def merge_settings(base: Settings, options: Any, *, source: str = "settings") -> Settings:
+    """``base`` updated with the keys in ``options`` (a dict from JSON); unknown keys are errors,
+    so a typo does not silently do nothing. ``token`` is accepted and ignored here (the TCP
+    listener checks it)."""
+    if options is None:
+        return base
+    if not isinstance(options, dict):
+        raise ConfigError(f"{source} must be an object, got {type(options).__name__}")
+    changes: dict[str, Any] = {}
+    for raw_key, value in options.items():
+        key = snake_case(str(raw_key))
+        if key == "token":
+            continue
+        if key not in _FIELDS:
+            known = ", ".join(sorted(_camel(f) for f in _FIELDS))
+            raise ConfigError(f"{source}: unknown setting {raw_key!r} (known: {known})")
+        changes[key] = _validate(key, value, source, raw_key)
+    return dataclasses.replace(base, **changes)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _validate(key: str, value: Any, source: str, raw_key: str) -> Any:
+    where = f"{source}: {raw_key}"
+    if key == "engine_url":
+        urls = [value] if isinstance(value, str) else value
+        if value is None:
+            return ()
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise ConfigError(f"{where} must be a URL or a list of URLs")
+        for url in urls:
+            if not re.match(r"^https?://[^\s/]+", url):
+                raise ConfigError(f"{where}: {url!r} is not an http(s) URL")
+        return tuple(urls)
+    if key in ("model", "fim_template"):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string")
+        return value or None
+    if key == "cross_file":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false")
+        return value
+    kind, low, high = _LIMITS[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if kind is int and float(value) != int(value):
+        raise ConfigError(f"{where} must be a whole number, got {value!r}")
+    value = kind(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ConfigError(f"{where} must be between {low} and {high}, got {value!r}")
+    return value

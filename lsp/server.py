@@ -1,0 +1,393 @@
+"""The LSP edge: one short, typed handler per feature, delegating to :mod:`lsp.completer`.
+
+An :class:`EmberCore` (engine, caches, metrics) lives once per process; each editor connection
+gets its own :class:`EmberServer` (documents, settings), so TCP sessions stay apart while vLLM
+batches their requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from lsprotocol import types
+from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
+from pygls.lsp.server import LanguageServer
+from pygls.protocol import LanguageServerProtocol
+from pygls.protocol.language_server import lsp_method
+
+from context.document import Document, PositionError
+from context.prompt import Snippet
+from engine.base import Engine
+from lsp.completer import Completer
+from lsp.config import ConfigError, Settings, merge_settings
+from lsp.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+STATS_METHOD = "ember/stats"
+VERSION = "0.1.0"
+
+
+class UnknownDocument(JsonRpcException):
+    """-32602 with a message naming the URI."""
+
+    code = -32602
+
+
+class EmberCore:
+    """Process-wide state: the engine, the completion caches and the metrics."""
+
+    def __init__(self, settings: Settings, engine_factory: Callable[[Settings], Engine] | None = None) -> None:
+        self.settings = settings
+        self._engine_factory = engine_factory or default_engine_factory
+        self.engine: Engine | None = None
+        self.engine_error: str | None = None
+        self._start_task: asyncio.Task[None] | None = None
+        self.metrics = Metrics()
+        self.completer = Completer(lambda: self.engine, self.metrics)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.ready
+
+    def start_engine(self, settings: Settings | None = None) -> asyncio.Task[None]:
+        """Start loading the model once; later calls return the same task."""
+        if self._start_task is None:
+            self._start_task = asyncio.get_running_loop().create_task(self._start(settings or self.settings))
+        return self._start_task
+
+    async def _start(self, settings: Settings) -> None:
+        try:
+            engine = await asyncio.to_thread(self._engine_factory, settings)
+            await engine.start()
+            self.engine = engine
+            self.engine_error = None
+        except Exception as exc:  # the reason reaches the editor through progress and messages
+            self.engine_error = str(exc)
+            log.error("engine failed to start: %s", exc)
+
+    async def wait_ready(self) -> bool:
+        if self._start_task is not None:
+            await asyncio.shield(self._start_task)
+        return self.ready
+
+    async def close(self) -> None:
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
+        if self.engine is not None:
+            await self.engine.close()
+
+
+def default_engine_factory(settings: Settings) -> Engine:
+    """Remote when an engine URL is configured, else embedded vLLM (resolving the model may convert
+    a GGUF file: this runs in a worker thread)."""
+    if settings.engine_url:
+        from engine.remote import RemoteEngine
+
+        return RemoteEngine(list(settings.engine_url), settings.model)
+    from engine.embedded import EmbeddedConfig, EmbeddedEngine
+    from engine.models import resolve_model
+
+    model = resolve_model(settings.model)
+    return EmbeddedEngine(EmbeddedConfig(model_path=model.path, model_name=model.name))
+
+
+class EmberProtocol(LanguageServerProtocol):
+    def handle_message(self, message: Any) -> None:
+        """Before a valid token (TCP servers that need one) only initialize and exit are read."""
+        server: EmberServer = self._server  # type: ignore[assignment]
+        method = getattr(message, "method", None)
+        if not server.authorized and method not in (types.INITIALIZE, types.EXIT):
+            log.warning("dropped %s from an unauthorized connection", method)
+            if self.writer is not None:
+                self.writer.close()
+            server.on_exit()
+            return
+        super().handle_message(message)
+
+    @lsp_method(types.EXIT)
+    def lsp_exit(self, *args: Any):
+        """Ends this connection; over stdio it also stops the engine and ends the process."""
+        server: EmberServer = self._server  # type: ignore[assignment]
+        server.on_exit()
+        if server.exit_process:
+            asyncio.ensure_future(close_and_exit(server.core, 0 if self._shutdown else 1))
+        elif self.writer is not None:
+            self.writer.close()
+        yield from ()
+
+
+async def close_and_exit(core: EmberCore, code: int, grace_s: float = 4.0) -> None:
+    """Stops the engine (and its child processes), then ends the process: the stdin reader thread
+    is blocked in a read, so a normal interpreter exit would wait for the editor to close the pipe."""
+    threading.Timer(grace_s + 1.0, os._exit, (code,)).start()  # in case closing hangs
+    try:
+        async with asyncio.timeout(grace_s):
+            await core.close()
+    except BaseException as exc:  # noqa: BLE001 - exiting regardless
+        log.warning("engine did not close cleanly: %r", exc)
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
+class EmberServer(LanguageServer):
+    def __init__(self, core: EmberCore, *, token: str | None = None, exit_process: bool = True) -> None:
+        super().__init__("ember", VERSION, protocol_cls=EmberProtocol)
+        self.core = core
+        self.settings = core.settings
+        self.documents: dict[str, Document] = {}
+        self.required_token = token
+        self.exit_process = exit_process
+        self.authorized = token is None
+        self._inflight: dict[str, asyncio.Task[Any]] = {}
+        self._messages_shown: set[str] = set()
+
+    def on_exit(self) -> None:
+        for task in self._inflight.values():
+            task.cancel()
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    def notify_user(self, message: str, kind: types.MessageType = types.MessageType.Error) -> None:
+        """Shows a message once per distinct text, so a dead engine does not spam the editor."""
+        log.log(logging.ERROR if kind == types.MessageType.Error else logging.WARNING, "%s", message)
+        if message in self._messages_shown:
+            return
+        self._messages_shown.add(message)
+        self.window_show_message(types.ShowMessageParams(type=kind, message=f"ember: {message}"))
+
+    # ------------------------------------------------------------------ documents and positions
+
+    def document(self, uri: str) -> Document:
+        doc = self.documents.get(uri)
+        if doc is None:
+            raise UnknownDocument(f"unknown document {uri!r}: it was not opened with textDocument/didOpen")
+        return doc
+
+    def to_utf16(self, doc: Document, line: int, character: int) -> tuple[int, int]:
+        """Positions arrive in the negotiated encoding; documents count UTF-16 units."""
+        encoding = self.protocol.server_capabilities.position_encoding if self.protocol.server_capabilities else None
+        if encoding in (None, types.PositionEncodingKind.Utf16) or line < 0 or line >= doc.line_count:
+            return line, character
+        text = doc.line_text(line)
+        if encoding == types.PositionEncodingKind.Utf8:
+            prefix = text.encode("utf-8", "surrogatepass")[: max(character, 0)].decode("utf-8", "ignore")
+        else:  # utf-32: code points
+            prefix = text[: max(character, 0)]
+        extra = max(0, character - len(prefix)) if encoding != types.PositionEncodingKind.Utf8 else 0
+        return line, len(prefix.encode("utf-16-le", "surrogatepass")) // 2 + extra
+
+    def offset_of(self, doc: Document, position: types.Position) -> int:
+        line, character = self.to_utf16(doc, position.line, position.character)
+        try:
+            return doc.offset_at(line, character)
+        except PositionError as exc:
+            raise JsonRpcInvalidParams(f"{doc.uri}: {exc}") from exc
+
+    def other_files(self, current: Document) -> tuple[Snippet, ...]:
+        """Snippets from the other open documents of the same language, in a stable order."""
+        if not self.settings.cross_file:
+            return ()
+        return tuple(
+            Snippet(uri.rsplit("/", 1)[-1], doc.text[:2000])
+            for uri, doc in sorted(self.documents.items())
+            if uri != current.uri and doc.language_id == current.language_id
+        )
+
+    # ------------------------------------------------------------------ completion
+
+    async def complete(self, uri: str, position: types.Position, on_text: Callable[[str], None] | None = None) -> str:
+        """Generated text for the cursor; a newer request for the same document supersedes this one."""
+        doc = self.document(uri)
+        offset = self.offset_of(doc, position)
+        if len(doc.text) > self.settings.max_document_bytes:
+            self.notify_user(f"{uri} is larger than maxDocumentBytes ({self.settings.max_document_bytes}); no completions", types.MessageType.Warning)
+            return ""
+        if not self.core.ready:
+            if self.core.engine_error:
+                self.notify_user(f"the engine is not available: {self.core.engine_error}")
+            return ""
+        previous = self._inflight.pop(uri, None)
+        if previous is not None:
+            previous.cancel()
+        task = asyncio.ensure_future(
+            self.core.completer.complete(doc, offset, self.settings, snippets=self.other_files(doc), on_text=on_text)
+        )
+        self._inflight[uri] = task
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.cancel()
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # $/cancelRequest or shutdown: pygls answers RequestCancelled
+            return ""  # superseded by a newer request for this document
+        finally:
+            if self._inflight.get(uri) is task:
+                del self._inflight[uri]
+        if result.metrics.outcome == "error":
+            self.notify_user("the engine failed to generate; see the log", types.MessageType.Warning)
+        return result.text
+
+
+def completion_item(text: str, position: types.Position) -> types.CompletionItem:
+    first_line = text.split("\n", 1)[0].strip() or text.strip()
+    return types.CompletionItem(
+        label=first_line[:80],
+        kind=types.CompletionItemKind.Text,
+        detail="ember",
+        insert_text=text,
+        insert_text_format=types.InsertTextFormat.PlainText,
+        text_edit=types.TextEdit(range=types.Range(start=position, end=position), new_text=text),
+        sort_text="0",
+        filter_text=first_line or text,
+    )
+
+
+def build_server(core: EmberCore, *, token: str | None = None, exit_process: bool = True) -> EmberServer:
+    server = EmberServer(core, token=token, exit_process=exit_process)
+
+    @server.feature(types.INITIALIZE)
+    def initialize(ls: EmberServer, params: types.InitializeParams) -> None:
+        """Reads settings from initializationOptions; checks the token of TCP servers that need one."""
+        options = params.initialization_options
+        if ls.required_token is not None:
+            given = options.get("token") if isinstance(options, dict) else None
+            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), ls.required_token.encode()):
+                log.warning("refused a connection: missing or wrong token")
+                ls.on_exit()
+                if ls.protocol.writer is not None:
+                    asyncio.get_running_loop().call_later(0.05, ls.protocol.writer.close)
+                raise JsonRpcInvalidParams("ember: missing or wrong token in initializationOptions")
+            ls.authorized = True
+        try:
+            ls.settings = merge_settings(core.settings, options, source="initializationOptions")
+        except ConfigError as exc:
+            ls.settings = core.settings
+            ls.notify_user(f"{exc}; using defaults")
+
+    @server.feature(types.INITIALIZED)
+    async def initialized(ls: EmberServer, params: types.InitializedParams) -> None:
+        """Starts loading the model and shows its progress."""
+        core.start_engine(ls.settings)
+        await report_loading(ls)
+
+    @server.feature(types.SHUTDOWN)
+    def shutdown(ls: EmberServer, params: Any) -> None:
+        for task in ls._inflight.values():
+            task.cancel()
+
+    @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
+    def did_open(ls: EmberServer, params: types.DidOpenTextDocumentParams) -> None:
+        item = params.text_document
+        ls.documents[item.uri] = Document(item.uri, item.language_id, item.text, item.version)
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
+    def did_change(ls: EmberServer, params: types.DidChangeTextDocumentParams) -> None:
+        doc = ls.documents.get(params.text_document.uri)
+        if doc is None:
+            log.warning("didChange for unknown document %s ignored", params.text_document.uri)
+            return
+        for change in params.content_changes:
+            if isinstance(change, types.TextDocumentContentChangePartial):
+                start = ls.to_utf16(doc, change.range.start.line, change.range.start.character)
+                end = ls.to_utf16(doc, change.range.end.line, change.range.end.character)
+                doc.apply_change(change.text, (start, end), params.text_document.version)
+            else:
+                doc.apply_change(change.text, None, params.text_document.version)
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
+    def did_close(ls: EmberServer, params: types.DidCloseTextDocumentParams) -> None:
+        ls.documents.pop(params.text_document.uri, None)
+        core.completer.forget(params.text_document.uri)
+
+    @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
+    def did_change_configuration(ls: EmberServer, params: types.DidChangeConfigurationParams) -> None:
+        settings = params.settings
+        if isinstance(settings, dict) and isinstance(settings.get("ember"), dict):
+            settings = settings["ember"]
+        try:
+            new = merge_settings(ls.settings, settings, source="settings")
+        except ConfigError as exc:
+            ls.notify_user(str(exc))
+            return
+        if (new.model, new.engine_url) != (ls.settings.model, ls.settings.engine_url) and core.engine is not None:
+            ls.notify_user("changing model or engineUrl takes effect after restarting ember", types.MessageType.Warning)
+        ls.settings = new
+
+    @server.feature(
+        types.TEXT_DOCUMENT_COMPLETION,
+        types.CompletionOptions(trigger_characters=[".", "(", " ", "\n"], resolve_provider=False),
+    )
+    async def completion(ls: EmberServer, params: types.CompletionParams) -> types.CompletionList:
+        """One item that inserts the generated text at the cursor (Helix and older clients)."""
+        token = params.partial_result_token
+
+        def on_text(text: str) -> None:
+            if token is not None and text:
+                ls.progress(types.ProgressParams(token=token, value=[completion_item(text, params.position)]))
+
+        text = await ls.complete(params.text_document.uri, params.position, on_text)
+        items = [completion_item(text, params.position)] if text else []
+        return types.CompletionList(is_incomplete=True, items=items)
+
+    @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
+    async def inline_completion(ls: EmberServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+        """Ghost text (LSP 3.18): VS Code, Neovim 0.12."""
+        text = await ls.complete(params.text_document.uri, params.position)
+        if not text:
+            return types.InlineCompletionList(items=[])
+        position = params.position
+        return types.InlineCompletionList(
+            items=[types.InlineCompletionItem(insert_text=text, range=types.Range(start=position, end=position))]
+        )
+
+    @server.feature(STATS_METHOD)
+    def stats(ls: EmberServer, params: Any) -> dict[str, Any]:
+        """Aggregated metrics (p50/p95), the last request's metrics, and the engine's state."""
+        summary = core.metrics.summary()
+        summary["engine"] = {
+            "ready": core.ready,
+            "error": core.engine_error,
+            "model": core.engine.model.name if core.ready and core.engine else None,
+        }
+        engine_stats = getattr(core.engine, "engine_stats", None)
+        if callable(engine_stats):
+            summary["engine"]["stats"] = engine_stats()
+        return summary
+
+    return server
+
+
+async def report_loading(ls: EmberServer) -> None:
+    """Work-done progress while the model loads (when the client supports it)."""
+    core = ls.core
+    if core.ready:
+        return
+    window = ls.client_capabilities.window if ls.client_capabilities else None
+    if not (window and window.work_done_progress):
+        await core.wait_ready()
+        return
+    token = f"ember-load-{uuid.uuid4().hex[:8]}"
+    try:
+        await ls.work_done_progress.create_async(token)
+    except Exception as exc:
+        log.debug("client refused progress token: %s", exc)
+        return
+    model = core.settings.model or (",".join(core.settings.engine_url) if core.settings.engine_url else "the bundled model")
+    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=f"loading {model}"))
+    ready = await core.wait_ready()
+    message = "model ready" if ready else f"engine failed: {core.engine_error}"
+    ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
+    if not ready:
+        ls.notify_user(f"the engine is not available: {core.engine_error}")
+
+

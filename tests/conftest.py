@@ -1,0 +1,80 @@
+"""Shared fixtures: one real ember server (embedded vLLM, SmolLM2-135M) for the whole session."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_lsp
+from lsprotocol import types
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+DATA = Path(__file__).parent / "data"
+SERVER_ARGS = ["--max-tokens", "24", "--log-level", "INFO"]
+READY_TIMEOUT_S = 300
+
+
+def client_capabilities() -> types.ClientCapabilities:
+    return types.ClientCapabilities(
+        window=types.WindowClientCapabilities(work_done_progress=True),
+        text_document=types.TextDocumentClientCapabilities(
+            completion=types.CompletionClientCapabilities(),
+            inline_completion=types.InlineCompletionClientCapabilities(),
+            synchronization=types.TextDocumentSyncClientCapabilities(),
+        ),
+    )
+
+
+async def stats(client: Any) -> dict[str, Any]:
+    return plain(await client.protocol.send_request_async("ember/stats", {}))
+
+
+def plain(value: Any) -> Any:
+    """pygls hands results of custom requests back as namedtuples; tests want dicts."""
+    if hasattr(value, "_asdict"):
+        return {k: plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+async def wait_ready(client: Any, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        current = await stats(client)
+        engine = current["engine"]
+        if engine["ready"]:
+            return current
+        if engine["error"]:
+            raise AssertionError(f"engine failed to start: {engine['error']}")
+        if time.monotonic() > deadline:
+            raise AssertionError("engine did not become ready in time")
+        await asyncio.sleep(0.5)
+
+
+@pytest_lsp.fixture(
+    scope="session",
+    config=ClientServerConfig(server_command=[sys.executable, "-m", "lsp", "--stdio", *SERVER_ARGS]),
+)
+async def client(lsp_client: LanguageClient):
+    """A session with the real server; the model may still be loading when tests start."""
+    result = await lsp_client.initialize_session(
+        types.InitializeParams(
+            capabilities=client_capabilities(),
+            initialization_options={"maxTokens": 24, "debounceMs": 0},
+        )
+    )
+    lsp_client.initialize_result = result  # type: ignore[attr-defined]
+    yield
+    await lsp_client.shutdown_session()
+
+
+@pytest.fixture(scope="session")
+def sample_text() -> str:
+    return (DATA / "inventory.py").read_text()

@@ -1,0 +1,478 @@
+"""Golden tests for context.postprocess on real-looking code, plus checks on the eval sets.
+
+Each case is a document with the cursor marked by ``█``, the raw text a model might generate
+there, and the text that must be inserted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from context.postprocess import completion_mode, find_stop, postprocess, syntax_ok
+
+CURSOR = "█"
+EVAL = Path("/work/shared/eval")
+
+
+def split(doc: str) -> tuple[str, str]:
+    prefix, suffix = doc.split(CURSOR)
+    return prefix, suffix
+
+
+def complete(doc: str, generated: str, lang: str, mode: str | None = None) -> str:
+    prefix, suffix = split(doc)
+    mode = mode or completion_mode(prefix, suffix, lang)
+    return postprocess(generated, prefix, suffix, lang, mode)
+
+
+# --------------------------------------------------------------------------------------------
+# single vs multi
+
+MODES = [
+    ("python", "def area(r):\n    █\n", "multi"),  # empty block body
+    ("python", "def f(x):\n    y = x + 1\n    █\n    return y\n", "multi"),  # new statement
+    ("python", "def f(x):\n█    return x\n", "multi"),  # whole lines above code
+    ("python", "    total = sum(█)\n", "single"),
+    ("python", "    return x█\n", "single"),
+    ("python", 'def f():\n    """Sum things.\n\n    █\n    """\n', "single"),  # docstring
+    ("javascript", "function add(a, b) {\n  █\n}\n", "multi"),
+    ("javascript", "const xs = items.map(█);\n", "single"),
+    ("typescript", "class Point {\n  █\n}\n", "multi"),
+    ("rust", "fn main() {\n    █\n}\n", "multi"),
+    ("rust", "/*\n█\n*/\nfn main() {}\n", "single"),  # block comment
+    ("go", "func f() int {\n\t█\n}\n", "multi"),
+    ("java", "class A {\n    /**\n     █\n     */\n    void f() {}\n}\n", "single"),  # javadoc
+    ("java", "        Cache<String, String> c = Caffeine.newBuilder()\n            █.build();\n", "single"),
+    ("cpp", "int main() {\n    █;\n}\n", "single"),  # an expression before `;`
+    ("lua", "function f()\n  █\nend\n", "multi"),  # no grammar: line rules only
+]
+
+
+@pytest.mark.parametrize("lang,doc,mode", MODES)
+def test_completion_mode(lang: str, doc: str, mode: str) -> None:
+    prefix, suffix = split(doc)
+    assert completion_mode(prefix, suffix, lang) == mode
+
+
+# --------------------------------------------------------------------------------------------
+# where a generated block ends
+
+BLOCK_END = [
+    (  # Python: the body ends where the model starts the next definition
+        "python",
+        "def area(r):\n    █\n\n\ndef perimeter(r):\n    return 2 * 3.14 * r\n",
+        "return 3.14 * r * r\n\n\ndef volume(r):\n    return 0\n",
+        "return 3.14 * r * r",
+    ),
+    (  # Python: a line dedented below the block ends it
+        "python",
+        "def total(xs):\n    t = 0\n    for x in xs:\n        █\n    return t\n",
+        "t += x\n        print(x)\n    print(t)\n",
+        "t += x\n        print(x)",
+    ),
+    (  # JavaScript: the editor's `}` is already there
+        "javascript",
+        "function add(a, b) {\n  █\n}\n",
+        "return a + b;\n}\n\nfunction sub(a, b) {\n  return a - b;\n}\n",
+        "return a + b;",
+    ),
+    (  # Rust without auto-close: the model's `}` is needed and kept, what follows is not
+        "rust",
+        "fn main() {\n    █",
+        'let x = 5;\n    println!("{}", x);\n}\n\nfn other() {\n}\n',
+        'let x = 5;\n    println!("{}", x);\n}',
+    ),
+    (  # Go at top level: one definition at a time
+        "go",
+        "package main\n\n█",
+        "func add(a, b int) int {\n\treturn a + b\n}\n\nfunc sub(a, b int) int {\n\treturn a - b\n}\n",
+        "func add(a, b int) int {\n\treturn a + b\n}",
+    ),
+    (  # Java: one method in a class body
+        "java",
+        "public class Calc {\n    █\n}\n",
+        "public int add(int a, int b) {\n        return a + b;\n    }\n\n"
+        "    public int sub(int a, int b) {\n        return a - b;\n    }\n}\n",
+        "public int add(int a, int b) {\n        return a + b;\n    }",
+    ),
+    (  # Python: a helper defined inside a function body does not end the body
+        "python",
+        "def outer(xs):\n    █\n",
+        "def helper(x):\n        return x * 2\n    return [helper(x) for x in xs]\n\n\ndef other():\n    pass\n",
+        "def helper(x):\n        return x * 2\n    return [helper(x) for x in xs]",
+    ),
+    (  # C: a comment above the next definition goes with it
+        "c",
+        "int twice(int x) {\n    █\n}\n",
+        "return 2 * x;\n}\n\n/* thrice */\nint thrice(int x) {\n",
+        "return 2 * x;",
+    ),
+]
+
+
+@pytest.mark.parametrize("lang,doc,generated,expected", BLOCK_END)
+def test_block_end(lang: str, doc: str, generated: str, expected: str) -> None:
+    assert complete(doc, generated, lang) == expected
+
+
+def test_find_stop_waits_for_complete_lines() -> None:
+    prefix, suffix = split("function add(a, b) {\n  █\n}\n")
+    args = (prefix, suffix, "javascript", "multi")
+    assert find_stop("return a", *args) is None
+    assert find_stop("return a + b;\n", *args) is None  # the next line may still be inside the body
+    assert find_stop("return a + b;\n}", *args) is None  # `}` might become `} else {`
+    assert find_stop("return a + b;\n}\n", *args) == len("return a + b;")
+
+
+def test_find_stop_single_line() -> None:
+    prefix, suffix = split("    result = compute(█)\n")
+    args = (prefix, suffix, "python", "single")
+    assert find_stop("a, b", *args) is None
+    assert find_stop("a, b)\n    return", *args) == len("a, b)")
+    # text follows the cursor: a leading line break would split it, so nothing is kept
+    assert find_stop("\n    x", *args) == 0
+
+
+def test_single_mode_after_a_header_takes_the_next_line() -> None:
+    doc = "def area(r):█\n"
+    assert complete(doc, "\n    return 3.14 * r * r\n    # done\n", "python") == "\n    return 3.14 * r * r"
+
+
+def test_single_mode_follows_open_brackets() -> None:
+    doc = "    position = █\n    out.requires_grad = False\n"
+    generated = "np.array([\n        [p / 2 for p in range(dim)]\n        for pos in range(n)\n    ])\n    x = 1\n"
+    assert complete(doc, generated, "python") == (
+        "np.array([\n        [p / 2 for p in range(dim)]\n        for pos in range(n)\n    ])"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the model repeats what follows the cursor
+
+SUFFIX_ECHO = [
+    (
+        "python",
+        "def f(x):\n    y = x * 2\n    █\n    return y\n",
+        "z = y + 1\n    return y\n",
+        "z = y + 1",
+    ),
+    (
+        "c",
+        "int main() {\n    int a = 1;\n    █\n    return 0;\n}\n",
+        "a += 2;\n    return 0;\n}\n",
+        "a += 2;",
+    ),
+    (  # the rest of the line, rewritten
+        "cpp",
+        "bool test_bit(const mpz_class& v, size_t i) {\n  return █ == 1;\n}\n",
+        "mpz_tstbit(v.get_mpz_t(), i) == 1;",
+        "mpz_tstbit(v.get_mpz_t(), i)",
+    ),
+    ("java", "        String s = █;\n", "name.trim();", "name.trim()"),
+    ("typescript", "const total = █items.length;\n", "count + items.length;", "count + "),
+    (  # whole lines inserted above code keep their line break
+        "python",
+        "def f(xs):\n    total = 0\n█    return total\n",
+        "    for x in xs:\n        total += x\n    return total\n",
+        "    for x in xs:\n        total += x\n",
+    ),
+]
+
+
+@pytest.mark.parametrize("lang,doc,generated,expected", SUFFIX_ECHO)
+def test_suffix_echo(lang: str, doc: str, generated: str, expected: str) -> None:
+    assert complete(doc, generated, lang) == expected
+
+
+def test_generation_loop_is_cut() -> None:
+    generated = "log(x);\n" + "  log(x);\n" * 6
+    assert complete("function f(x) {\n  █\n}\n", generated, "javascript") == "log(x);\n  log(x);"
+
+
+def test_brace_after_the_cursor_goes_back_under_its_header() -> None:
+    doc = "function f() {\n  █}\n"
+    assert complete(doc, "return 1;\n}", "javascript") == "return 1;\n"
+
+
+def test_only_the_next_line_returns_empty() -> None:
+    assert complete("def f(x):\n    y = 1\n    █\n    return y\n", "return y\n", "python") == ""
+
+
+# --------------------------------------------------------------------------------------------
+# closing brackets against the suffix
+
+BRACKETS = [
+    ("javascript", "console.log(█);\n", "a, b);", "a, b"),
+    ("javascript", "const s = fmt(█)\n", "name, 2)", "name, 2"),
+    ("javascript", "const r = fetch(█)\n", "url).then(r => r.json())", "url"),
+    ("python", "n = print(len(█))\n", "items))", "items"),
+    ("python", "x = foo(bar(█)\n", "1))", "1)"),  # only the outer `)` was auto-closed
+    ("python", "x = foo(█)\n", "bar(1)", "bar(1)"),  # the completion's own `)` stays
+    ("python", 'name = "█"\n', 'hello"', "hello"),
+    ("rust", "let v = vec![█];\n", "1, 2, 3];", "1, 2, 3"),
+    ("javascript", "foo(function () {\n  █\n});\n", "return 1;\n})", "return 1;"),
+    ("go", "func main() {\n\tdefer func() {\n\t\t█\n\t}()\n}\n", "recover()\n}()", "recover()"),
+    (  # no auto-close: the inner `}` the model writes is needed
+        "c",
+        "void f(int a, int b) {\n    if (a) {\n        if (b) {\n            █\n    }\n}\n",
+        "a++;\n        }",
+        "a++;\n        }",
+    ),
+    ("csharp", "Console.WriteLine(█);\n", "x + 1);", "x + 1"),  # no grammar: counted
+    ("csharp", "var r = Foo(Bar(█)\n", "x))", "x)"),
+]
+
+
+@pytest.mark.parametrize("lang,doc,generated,expected", BRACKETS)
+def test_brackets(lang: str, doc: str, generated: str, expected: str) -> None:
+    result = complete(doc, generated, lang)
+    assert result == expected
+    prefix, suffix = split(doc)
+    assert syntax_ok(prefix, result, suffix, lang)
+
+
+# --------------------------------------------------------------------------------------------
+# indentation
+
+INDENT = [
+    (  # lines written relative to column 0 instead of the cursor's column
+        "python",
+        "class A:\n    def f(self, xs):\n        █\n",
+        "total = 0\nfor x in xs:\n    total += x\nreturn total",
+        "total = 0\n        for x in xs:\n            total += x\n        return total",
+    ),
+    (
+        "javascript",
+        "function sum(xs) {\n  █\n}\n",
+        "let t = 0;\nfor (const x of xs) {\n  t += x;\n}\nreturn t;",
+        "let t = 0;\n  for (const x of xs) {\n    t += x;\n  }\n  return t;",
+    ),
+    (  # spaces in a tab-indented Go file
+        "go",
+        "package main\n\nfunc sum(xs []int) int {\n\t█\n}\n",
+        "t := 0\n    for _, x := range xs {\n        t += x\n    }\n    return t",
+        "t := 0\n\tfor _, x := range xs {\n\t\tt += x\n\t}\n\treturn t",
+    ),
+    (  # tabs in a space-indented Python file
+        "python",
+        "def f(xs):\n    if xs:\n        █\n",
+        "n = len(xs)\n\t\treturn n",
+        "n = len(xs)\n        return n",
+    ),
+    (  # the model repeated the whitespace already before the cursor
+        "python",
+        "def f():\n    x = 1\n    █\n",
+        "    y = 2\n    return x + y",
+        "y = 2\n    return x + y",
+    ),
+    (  # an empty Python body must be deeper than its header
+        "python",
+        "def f():\n█\n",
+        "return 1",
+        "    return 1",
+    ),
+    (  # Rust: correct absolute indentation is left alone
+        "rust",
+        "impl Stack {\n    fn push(&mut self, x: i32) {\n        █\n    }\n}\n",
+        "if self.len < CAP {\n            self.items.push(x);\n        }",
+        "if self.len < CAP {\n            self.items.push(x);\n        }",
+    ),
+]
+
+
+@pytest.mark.parametrize("lang,doc,generated,expected", INDENT)
+def test_indentation(lang: str, doc: str, generated: str, expected: str) -> None:
+    assert complete(doc, generated, lang) == expected
+
+
+def test_crlf_document_gets_crlf() -> None:
+    doc = "int main() {\r\n    █\r\n}\r\n"
+    assert complete(doc, "int a = 1;\nreturn a;\n}\n", "c") == "int a = 1;\r\n    return a;"
+
+
+# --------------------------------------------------------------------------------------------
+# special tokens
+
+TOKENS = [
+    ("<|fim_middle|>return x<|endoftext|>garbage", "return x"),
+    ("return x<|file_sep|>other.py\nimport os\n", "return x"),
+    ("<｜fim▁end｜>return x<｜end▁of▁sentence｜>", "return x"),
+    ("<fim_middle>return x<fim_suffix>", "return x"),
+    ("return x <EOT>", "return x"),
+    ("return x<|endof", "return x"),  # cut short by the end of the stream
+    ("<|endoftext|>return x", ""),  # the model ended at once
+    ("return x<|im_end|>\n<|im_start|>assistant", "return x"),
+]
+
+
+@pytest.mark.parametrize("generated,expected", TOKENS)
+def test_special_tokens(generated: str, expected: str) -> None:
+    assert complete("def f(x):\n    █\n", generated, "python") == expected
+
+
+def test_operators_that_look_like_tokens_survive() -> None:
+    assert complete("main = █\n", "f <| g |> h", "elm") == "f <| g |> h"
+
+
+def test_find_stop_at_a_token() -> None:
+    prefix, suffix = split("x = █\n")
+    assert find_stop("abc<|endoftext|>def", prefix, suffix, "python", "single") == 3
+    assert find_stop("<|fim_middle|>abc<|endoftext|>", prefix, suffix, "python", "single") == len("<|fim_middle|>abc")
+
+
+# --------------------------------------------------------------------------------------------
+# syntax_ok
+
+SYNTAX = [
+    ("python", "def f(x):\n    █\n", "return x + 1", True),
+    ("python", "def f(x):\n    █\n", "return (x + 1", False),
+    ("javascript", "const s = fmt(█);\n", "name", True),
+    ("javascript", "const s = fmt(█);\n", "name)", False),
+    ("rust", "fn main() {\n    █\n}\n", "let x = 1;", True),
+    ("rust", "fn main() {\n    █\n}\n", "let x = {;", False),
+    ("go", "func f() int {\n\t█\n}\n", "return 1", True),
+    ("go", "func f() int {\n\t█\n}\n", "return 1 +", False),
+    ("java", "class A {\n    int f() {\n        █\n    }\n}\n", "return 1;", True),
+    ("java", "class A {\n    int f() {\n        █\n    }\n}\n", "return 1;\n    }", False),
+    ("cpp", "int main() {\n    █\n}\n", "std::vector<int> v{1, 2};", True),
+    ("cpp", "int main() {\n    █\n}\n", "std::vector<int> v{1, 2;", False),
+    ("csharp", "class A {\n    █\n}\n", "void F( {", True),  # no grammar: not judged
+]
+
+
+@pytest.mark.parametrize("lang,doc,completion,ok", SYNTAX)
+def test_syntax_ok(lang: str, doc: str, completion: str, ok: bool) -> None:
+    prefix, suffix = split(doc)
+    assert syntax_ok(prefix, completion, suffix, lang) is ok
+
+
+def test_syntax_ok_tolerates_existing_errors() -> None:
+    # The document is already broken elsewhere; a clean completion is still ok.
+    prefix, suffix = "def f(:\n    pass\n\ndef g():\n    ", "\n"
+    assert syntax_ok(prefix, "return 1", suffix, "python")
+    assert not syntax_ok(prefix, "return [1", suffix, "python")
+
+
+# --------------------------------------------------------------------------------------------
+# robustness
+
+_PIECES = list("ab (){}[]\"'`:;,.=\n\t\r #/\\<|>_｜") + ["<|endoftext|>", "<|fim_middle|>", "    ", "def f():", "}"]
+_TEXT = st.lists(st.sampled_from(_PIECES), max_size=40).map("".join)
+_LANGS = st.sampled_from(["python", "javascript", "rust", "go", "java", "cpp", "csharp", "", "plaintext"])
+
+
+class _Failures(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@settings(max_examples=300, deadline=None)
+@given(generated=_TEXT, prefix=_TEXT, suffix=_TEXT, lang=_LANGS, mode=st.sampled_from(["single", "multi"]))
+def test_garbage_in_never_raises(generated: str, prefix: str, suffix: str, lang: str, mode: str) -> None:
+    # The public functions swallow internal errors (and log them); none may happen here.
+    failures = _Failures()
+    logger = logging.getLogger("context.postprocess")
+    logger.addHandler(failures)
+    try:
+        stop = find_stop(generated, prefix, suffix, lang, mode)  # type: ignore[arg-type]
+        assert stop is None or 0 <= stop <= len(generated)
+        out = postprocess(generated, prefix, suffix, lang, mode)  # type: ignore[arg-type]
+        assert isinstance(out, str)
+        assert "<|endoftext|>" not in out and "<|fim_middle|>" not in out
+        assert completion_mode(prefix, suffix, lang) in ("single", "multi")
+        assert isinstance(syntax_ok(prefix, out, suffix, lang), bool)
+    finally:
+        logger.removeHandler(failures)
+    assert not failures.records, [r.getMessage() for r in failures.records]
+
+
+def _stream_stop(generated: str, prefix: str, suffix: str, lang: str, mode: str, chunk: int) -> int | None:
+    for end in range(chunk, len(generated) + chunk, chunk):
+        stop = find_stop(generated[:end], prefix, suffix, lang, mode)  # type: ignore[arg-type]
+        if stop is not None:
+            return stop
+    return None
+
+
+@pytest.mark.parametrize("lang,doc,generated,expected", BLOCK_END + SUFFIX_ECHO + INDENT)
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_streaming_stop_agrees_with_postprocess(lang: str, doc: str, generated: str, expected: str, chunk: int) -> None:
+    """Stopping where find_stop says, at any chunking, gives the same text as the whole output."""
+    prefix, suffix = split(doc)
+    mode = completion_mode(prefix, suffix, lang)
+    stop = _stream_stop(generated, prefix, suffix, lang, mode, chunk)
+    cut = generated if stop is None else generated[:stop]
+    assert postprocess(cut, prefix, suffix, lang, mode) == expected  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# the public eval sets (skipped where they are not present)
+
+
+def _rows(name: str) -> list[dict]:
+    path = EVAL / name
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    return [json.loads(line) for line in path.open(encoding="utf-8")]
+
+
+def _norm(text: str) -> str:
+    lines = text.replace("\r\n", "\n").strip("\n").split("\n")
+    return "\n".join(line.rstrip() for line in lines).rstrip()
+
+
+def _first_code_line(text: str) -> str:
+    return next((line for line in text.split("\n") if line.strip()), "").rstrip("\r")
+
+
+def _within_block(row: dict) -> bool:
+    """Does the true middle stay inside the block it starts in? Random spans that climb out of
+    it (common in HumanEval-Infilling) are cut at the dedent by design."""
+    before = row["prefix"][row["prefix"].rfind("\n") + 1 :]
+    lines = row["middle"].replace("\r\n", "\n").split("\n")
+    base = _indent(before + lines[0]) if not before.strip() else _indent(before)
+    code = [line for line in lines[1:] if line.strip() and not line.strip().startswith(("#", "//"))]
+    return all(_indent(line) >= base for line in code)
+
+
+def _indent(line: str) -> int:
+    return len(line.expandtabs(4)) - len(line.expandtabs(4).lstrip())
+
+
+@pytest.mark.parametrize("name", ["humaneval_infilling_dev.jsonl", "safim_dev.jsonl"])
+def test_eval_middle_is_syntax_ok(name: str) -> None:
+    rows = _rows(name)
+    ok = sum(syntax_ok(r["prefix"], r["middle"], r["suffix"], r["language"]) for r in rows)
+    assert ok / len(rows) >= 0.95
+
+
+@pytest.mark.parametrize("name", ["humaneval_infilling_dev.jsonl", "safim_dev.jsonl"])
+def test_eval_middle_recovered_from_junk(name: str) -> None:
+    """The true middle followed by junk (the next line repeated; the suffix written again) comes
+    back as the middle: in single mode its first line or its whole bracketed statement."""
+    rows = _rows(name)
+    counted = recovered = 0
+    for r in rows:
+        prefix, suffix, middle, lang = r["prefix"], r["suffix"], r["middle"], r["language"]
+        mode = completion_mode(prefix, suffix, lang)
+        if mode == "multi" and not _within_block(r):
+            continue
+        eol = "\r\n" if "\r\n" in prefix + suffix else "\n"
+        rest = suffix.split("\n")[0].rstrip("\r")
+        next_line = rest if rest.strip() else ("" if middle.endswith("\n") else eol) + _first_code_line(suffix)
+        accepted = {_norm(middle), _norm(middle.split("\n")[0])} if mode == "single" else {_norm(middle)}
+        for junk in (next_line + eol, suffix[:300]):
+            counted += 1
+            recovered += _norm(postprocess(middle + junk, prefix, suffix, lang, mode)) in accepted
+    assert counted > 0.8 * 2 * len(rows)
+    assert recovered / counted >= 0.97

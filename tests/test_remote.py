@@ -1,0 +1,829 @@
+"""RemoteEngine against real vLLM OpenAI servers (two replicas) and against tiny fault servers.
+
+The vLLM servers boot in the background when the module starts (about a minute on 2 cores), so
+the fault-server and routing tests run while they load. Servers are killed with their process
+group at module teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.base import Chunk, Engine, EngineError, EngineNotReady, GenerationParams
+from engine.remote import ApproxTokenizer, RemoteEngine, fetch_metrics, finished_requests, prefix_cache_hits
+from engine.routing import LoadPolicy, Replica, metric_sum, order, parse_prometheus, rank
+
+log = logging.getLogger(__name__)
+
+SERVED_NAME = "smollm2"
+BOOT_TIMEOUT_S = 300.0
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Result:
+    chunks: list[Chunk]
+    seconds: float
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+    @property
+    def last(self) -> Chunk:
+        return self.chunks[-1]
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.token_count for c in self.chunks)
+
+
+async def collect(stream: AsyncIterator[Chunk]) -> Result:
+    started = time.perf_counter()
+    chunks = [c async for c in stream]
+    return Result(chunks, time.perf_counter() - started)
+
+
+def key_for(engine: RemoteEngine, replica_name: str) -> str:
+    """A routing key whose rendezvous home (ignoring load and health) is ``replica_name``."""
+    for i in range(1000):
+        key = f"file:///doc{i}.py#anchor"
+        if rank(key, engine.replicas)[0].name == replica_name:
+            return key
+    raise AssertionError(f"no key maps to {replica_name}")
+
+
+def status(engine: RemoteEngine, name: str):
+    return next(s for s in engine.replica_status() if s.name == name)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    started = time.perf_counter()
+    while not predicate():
+        if time.perf_counter() - started > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+    return time.perf_counter() - started
+
+
+# -- fault servers: a few lines of HTTP/1.1 each -------------------------------------------------
+
+
+def sse(event: dict | str) -> bytes:
+    data = event if isinstance(event, str) else json.dumps(event)
+    return f"data: {data}\n\n".encode()
+
+
+def text_event(text: str, finish: str | None = None) -> dict:
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+
+
+@dataclass
+class FakeServer:
+    """``behaviour`` answers POST /v1/completions; /v1/models, /health and /metrics are fixed."""
+
+    behaviour: str
+    tag: str = "fake"
+    port: int = field(default_factory=free_port)
+    hang_everything: bool = False
+    metrics_text: str | None = None  # None: /metrics is 404, as on llama.cpp or Ollama
+    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    _server: asyncio.AbstractServer | None = None
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def completions(self) -> int:
+        return sum(1 for method, path, _ in self.requests if path == "/v1/completions")
+
+    async def start(self) -> FakeServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, reuse_address=True)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+            if int(headers.get("content-length", 0)):
+                await reader.readexactly(int(headers["content-length"]))
+            self.requests.append((method, path, headers))
+            if self.hang_everything:
+                await asyncio.sleep(3600)
+            if path == "/v1/models":
+                body = json.dumps({"data": [{"id": "fake-model", "max_model_len": 1024}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            elif path == "/metrics" and self.metrics_text is not None:
+                body = self.metrics_text.encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            elif path == "/v1/completions":
+                await getattr(self, f"_{self.behaviour}")(writer, headers)
+            else:  # /health and /metrics: not offered, like llama.cpp or Ollama
+                writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _good(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        # What llama.cpp / Ollama-like servers send: comments, keepalives, other SSE fields, no usage.
+        writer.write(SSE_HEAD + b": keepalive\n\n" + b"event: completion\n")
+        writer.write(sse(text_event(f"from-{self.tag}")) + b"\n" + b": ping\n\n" + sse(text_event(" ok")))
+        writer.write(sse(text_event("", "stop")) + sse("[DONE]"))
+
+    async def _hang(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        await asyncio.sleep(3600)
+
+    async def _garbage(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        writer.write(SSE_HEAD + b"<html>oops</html>\n" + b"data: {\"choices\": [{\"text\": \n\n" + b"data: [D0NE\n\n")
+
+    async def _midstream(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        # Chunked transfer cut off without its terminating chunk: the peer died mid-response.
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in ("hel", "lo"):
+            payload = sse(text_event(piece))
+            writer.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    async def _stall(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        writer.write(SSE_HEAD + sse(text_event("partial")))
+        await writer.drain()
+        await asyncio.sleep(3600)
+
+    async def _bad_request(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        body = json.dumps({"error": {"message": f"prompt too long; you sent {headers.get('authorization')}"}}).encode()
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    async def _unavailable(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
+
+
+@contextlib.asynccontextmanager
+async def fakes(*behaviours: str) -> AsyncIterator[list[FakeServer]]:
+    servers = [await FakeServer(b, tag=str(i)).start() for i, b in enumerate(behaviours)]
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+@contextlib.asynccontextmanager
+async def remote(urls: list[str], **kwargs) -> AsyncIterator[RemoteEngine]:
+    options = dict(connect_timeout=1.0, first_token_timeout=1.0, read_timeout=1.0, probe_timeout=0.5, probe_initial=30.0)
+    options.update(kwargs)
+    engine = RemoteEngine(urls, None, **options)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+PARAMS = GenerationParams(max_tokens=8)
+
+
+# -- HTTP/2 over TLS ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return str(cert), str(key)
+
+
+@dataclass
+class H2Server:
+    """An OpenAI-style server that speaks only HTTP/2 (ALPN h2) over TLS, as proxies in front of
+    inference servers often do."""
+
+    cert: str
+    key: str
+    port: int = field(default_factory=free_port)
+    connections: int = 0
+    requests: list[dict[str, str]] = field(default_factory=list)
+    _server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> H2Server:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert, self.key)
+        context.set_alpn_protocols(["h2"])
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=context)
+        return self
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        self.connections += 1
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+        conn.initiate_connection()
+        writer.write(conn.data_to_send())
+        headers: dict[int, dict[str, str]] = {}
+        try:
+            while data := await reader.read(65536):
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.RequestReceived):
+                        headers[event.stream_id] = dict(event.headers)
+                    elif isinstance(event, h2.events.DataReceived):
+                        conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    elif isinstance(event, h2.events.StreamEnded):
+                        self._respond(conn, event.stream_id, headers.pop(event.stream_id))
+                writer.write(conn.data_to_send())
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    def _respond(self, conn, stream_id: int, headers: dict[str, str]) -> None:
+        self.requests.append(headers)
+        if headers[":path"] == "/v1/models":
+            body, kind = json.dumps({"data": [{"id": "h2-model"}]}).encode(), "application/json"
+        elif headers[":path"] == "/v1/completions":
+            kind = "text/event-stream"
+            body = sse(text_event("over")) + sse(text_event(" h2", "stop"))
+            body += sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}) + sse("[DONE]")
+        else:
+            conn.send_headers(stream_id, [(":status", "404")], end_stream=True)
+            return
+        conn.send_headers(stream_id, [(":status", "200"), ("content-type", kind), ("content-length", str(len(body)))])
+        conn.send_data(stream_id, body, end_stream=True)
+
+
+async def test_http2_over_tls_multiplexes_on_one_connection(tls_cert: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_API_KEY", "sk-h2-test")
+    server = await H2Server(*tls_cert).start()
+    try:
+        async with remote([f"https://127.0.0.1:{server.port}"], verify=tls_cert[0]) as engine:
+            assert engine.model.name == "h2-model" and engine.model.max_model_len == 2048  # the default
+            results = await asyncio.gather(*(collect(engine.stream("p", PARAMS, f"r{i}")) for i in range(4)))
+            later = await collect(engine.stream("p", PARAMS, "r9"))
+    finally:
+        await server.stop()
+    assert all(r.text == "over h2" for r in results) and later.text == "over h2"
+    assert results[0].last.prompt_tokens == 3 and results[0].tokens == 2
+    # One TLS connection carried /v1/models and five concurrent or later streams.
+    assert server.connections == 1 and len(server.requests) == 6
+    assert all(h["authorization"] == "Bearer sk-h2-test" for h in server.requests)
+
+
+# -- real vLLM servers -------------------------------------------------------------------------------
+
+
+@dataclass
+class VllmServer:
+    port: int
+    log_path: Path
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def launch(cls, model_path: str, log_path: Path) -> VllmServer:
+        port = free_port()
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}"),
+        )
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "2048", "--block-size", "32", "--enable-prefix-caching",
+            "--dtype", "bfloat16", "--enforce-eager", "--enable-prompt-tokens-details",
+            "--served-model-name", SERVED_NAME,
+        ]  # fmt: skip
+        with log_path.open("wb") as out:
+            # Its own process group: teardown kills the API server and its engine core together.
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return cls(port, log_path, proc)
+
+    async def wait_ready(self, timeout: float = BOOT_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        return
+                await asyncio.sleep(0.5)
+        raise AssertionError(f"vLLM server not ready after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def shutdown(self) -> None:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        # The engine core may outlive the API server: always sweep the group.
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+@dataclass
+class Pair:
+    model_path: str
+    a: VllmServer
+    b: VllmServer
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from engine.models import resolve_model
+
+    return resolve_model(None).path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair | None]:
+    """Two replicas, launched as soon as the module starts (when a selected test needs them), so
+    they boot while the fault tests run; tests await readiness themselves."""
+    needed = any(item.module is request.module and item.get_closest_marker("slow") for item in request.session.items)
+    if not needed:
+        yield None
+        return
+    model_path = request.getfixturevalue("model_path")
+    logs = tmp_path_factory.mktemp("vllm")
+    servers: list[VllmServer] = []
+    try:
+        servers.append(VllmServer.launch(model_path, logs / "a.log"))
+        servers.append(VllmServer.launch(model_path, logs / "b.log"))
+        yield Pair(model_path, *servers)
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+# -- routing policy (pure) ---------------------------------------------------------------------------
+
+
+def test_rendezvous_moves_only_the_keys_of_a_removed_replica() -> None:
+    replicas = [Replica(url=f"http://10.0.0.{i}:8000", name=str(i)) for i in range(4)]
+    keys = [f"doc{i}" for i in range(400)]
+    before = {k: rank(k, replicas)[0].url for k in keys}
+    assert len(set(before.values())) == 4  # spread over every replica
+    survivors = [r for r in replicas if r.url != replicas[2].url]
+    after = {k: rank(k, survivors)[0].url for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == replicas[2].url for k in moved)
+
+
+def test_order_puts_overloaded_and_down_replicas_last() -> None:
+    replicas = [Replica(url=f"http://h{i}:1", name=str(i)) for i in range(3)]
+    key = "doc-7"
+    home, second, third = rank(key, replicas)
+    assert order(replicas, key, "r1")[0] is home
+    home.waiting = 9  # a long queue outweighs the cached prefix
+    assert order(replicas, key, "r1") == [second, third, home]
+    home.waiting, home.kv_usage = 0, 0.99
+    assert order(replicas, key, "r1")[-1] is home
+    home.kv_usage = 0.1
+    second.up = False
+    assert order(replicas, key, "r1") == [home, third, second]
+    # Without a key the least loaded replica goes first.
+    home.running, third.running = 5, 0
+    assert order(replicas, None, "r1")[0] is third
+    assert order(replicas, key, "r1", LoadPolicy(max_waiting=100))[0] is home
+
+
+def test_parse_prometheus_text() -> None:
+    text = (
+        "# HELP vllm:request_success_total Count\n"
+        "# TYPE vllm:request_success_total counter\n"
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="a {b} \\"c\\""} 3.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 2.0\n'
+        "vllm:num_requests_waiting 4 1712345678000\n"
+        "broken_line{unterminated 1\n"
+        "vllm:kv_cache_usage_perc{engine=\"0\"} NaN\n"
+    )
+    samples = parse_prometheus(text)
+    assert samples[0].labels["model_name"] == 'a {b} "c"'
+    assert metric_sum(samples, "vllm:request_success_total") == 5.0
+    assert metric_sum(samples, "vllm:request_success_total", exclude={"finished_reason": "abort"}) == 3.0
+    assert metric_sum(samples, "vllm:num_requests_waiting") == 4.0
+    assert metric_sum(samples, "vllm:kv_cache_usage_perc") is None
+    assert metric_sum(samples, "vllm:missing") is None
+
+
+# -- protocol edge cases with fault servers ----------------------------------------------------------
+
+
+async def test_tolerant_stream_from_a_minimal_server() -> None:
+    async with fakes("good") as (good,), remote([good.url + "/v1/"]) as engine:
+        assert isinstance(engine, Engine)
+        assert engine.ready and engine.model.name == "fake-model" and engine.model.max_model_len == 1024
+        assert isinstance(engine.tokenizer, ApproxTokenizer) and engine.tokenizer.count("x" * 35) == 10
+        result = await collect(engine.stream("p", PARAMS, "r1"))
+    assert result.text == "from-0 ok"
+    assert result.last.finish_reason == "stop"
+    assert result.last.prompt_tokens is None and result.last.cached_tokens is None  # no usage sent
+    assert result.tokens == 2
+
+
+async def test_not_ready_before_start() -> None:
+    engine = RemoteEngine(["http://127.0.0.1:9"], None)
+    # (isinstance(engine, Engine) would raise here on Python 3.11: hasattr() meets EngineNotReady.)
+    assert not engine.ready
+    with pytest.raises(EngineNotReady):
+        engine.model
+    with pytest.raises(EngineNotReady):
+        await collect(engine.stream("p", PARAMS, "r"))
+
+
+async def test_start_fails_clearly_when_no_server_answers() -> None:
+    down = f"http://127.0.0.1:{free_port()}"
+    async with fakes("good") as (frozen,):
+        frozen.hang_everything = True
+        engine = RemoteEngine([down, frozen.url], None, connect_timeout=0.5, probe_timeout=0.8)
+        started = time.perf_counter()
+        with pytest.raises(EngineError) as err:
+            await engine.start()
+        elapsed = time.perf_counter() - started
+        await engine.close()
+    assert elapsed < 2.0, elapsed
+    assert "no engine server answered" in str(err.value) and down in str(err.value) and "ReadTimeout" in str(err.value)
+
+
+async def test_refused_connection_moves_to_next_replica_and_probe_brings_it_back() -> None:
+    async with fakes("good", "good") as (first, second), remote(
+        [first.url, second.url], probe_initial=0.3, probe_max=0.3
+    ) as engine:
+        key = key_for(engine, first.url)
+        assert (await collect(engine.stream("p", PARAMS, "r1", routing_key=key))).text == "from-0 ok"
+        await first.stop()  # down: connections are refused now
+        result = await collect(engine.stream("p", PARAMS, "r2", routing_key=key))
+        assert result.text == "from-1 ok" and result.seconds < 1.0
+        assert not status(engine, first.url).up
+        assert (await collect(engine.stream("p", PARAMS, "r3", routing_key=key))).text == "from-1 ok"
+        await first.start()  # same port again
+        await wait_for(lambda: status(engine, first.url).up, 3.0, "the probe to bring the replica back")
+        assert (await collect(engine.stream("p", PARAMS, "r4", routing_key=key))).text == "from-0 ok"
+
+
+async def test_refused_connection_alone_is_a_clear_error() -> None:
+    async with fakes("good") as (only,), remote([only.url]) as engine:
+        await only.stop()
+        started = time.perf_counter()
+        with pytest.raises(EngineError, match="cannot connect"):
+            await collect(engine.stream("p", PARAMS, "r1"))
+        assert time.perf_counter() - started < 1.0
+
+
+async def test_metrics_steer_load_and_reveal_a_frozen_replica() -> None:
+    async with fakes("good", "good") as (home, other):
+        home.metrics_text = 'vllm:num_requests_waiting{engine="0"} 10\nvllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+        other.metrics_text = 'vllm:num_requests_waiting{engine="0"} 0\n'
+        async with remote([home.url, other.url], metrics_interval=0.2, probe_timeout=0.3) as engine:
+            key = key_for(engine, home.url)
+            await wait_for(lambda: status(engine, home.url).waiting == 10, 2.0, "the first /metrics poll")
+            assert status(engine, home.url).kv_usage == 0.5
+            assert engine.route(key) == [other.url, home.url]
+            # A queue of 10 on the key's home: the other replica is the better deal.
+            assert (await collect(engine.stream("p", PARAMS, "r1", routing_key=key))).text == "from-1 ok"
+            home.metrics_text = 'vllm:num_requests_waiting{engine="0"} 0\n'
+            await wait_for(lambda: status(engine, home.url).waiting == 0, 2.0, "the queue to drain")
+            assert (await collect(engine.stream("p", PARAMS, "r2", routing_key=key))).text == "from-0 ok"
+            # A frozen host stops answering /metrics: out after two silent polls, with no request.
+            home.hang_everything = True
+            elapsed = await wait_for(lambda: not status(engine, home.url).up, 3.0, "the frozen replica to go down")
+            assert elapsed < 2.0
+            assert (await collect(engine.stream("p", PARAMS, "r3", routing_key=key))).text == "from-1 ok"
+
+
+@pytest.mark.parametrize("fault", ["hang", "garbage", "unavailable"])
+async def test_fault_before_first_token_falls_over_within_the_deadline(fault: str) -> None:
+    async with fakes(fault, "good") as (bad, good), remote([bad.url, good.url]) as engine:
+        key = key_for(engine, bad.url)
+        result = await collect(engine.stream("p", PARAMS, "r1", routing_key=key))
+        assert result.text == "from-1 ok"
+        assert bad.completions == 1 and good.completions == 1
+        limit = engine.first_token_timeout + 0.8 if fault == "hang" else 0.8
+        assert result.seconds < limit, result.seconds
+        if fault == "hang":
+            assert result.seconds >= engine.first_token_timeout * 0.9
+        # The failed replica is out: the next request goes straight to the good one.
+        assert not status(engine, bad.url).up
+        again = await collect(engine.stream("p", PARAMS, "r2", routing_key=key))
+        assert again.text == "from-1 ok" and again.seconds < 0.5 and bad.completions == 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [("hang", "sent no token within 1 s"), ("garbage", "malformed stream"), ("unavailable", "HTTP 503")],
+)
+async def test_fault_on_the_only_replica_is_a_clear_error(fault: str, message: str) -> None:
+    async with fakes(fault) as (bad,), remote([bad.url]) as engine:
+        started = time.perf_counter()
+        with pytest.raises(EngineError, match=message):
+            await collect(engine.stream("p", PARAMS, "r1"))
+        assert time.perf_counter() - started < engine.first_token_timeout + 0.8
+
+
+@pytest.mark.parametrize(("fault", "partial"), [("midstream", "hello"), ("stall", "partial")])
+async def test_break_after_text_is_an_error_and_the_next_request_works(fault: str, partial: str) -> None:
+    async with fakes(fault, "good") as (bad, good), remote([bad.url, good.url]) as engine:
+        key = key_for(engine, bad.url)
+        received: list[str] = []
+        started = time.perf_counter()
+        with pytest.raises(EngineError, match="broke mid-stream"):
+            async for chunk in engine.stream("p", PARAMS, "r1", routing_key=key):
+                received.append(chunk.text)
+        assert "".join(received) == partial  # what was yielded stays yielded: no replay elsewhere
+        assert time.perf_counter() - started < engine.read_timeout + 0.8
+        assert good.completions == 0
+        result = await collect(engine.stream("p", PARAMS, "r2", routing_key=key))
+        assert result.text == "from-1 ok" and bad.completions == 1
+
+
+async def test_client_error_is_not_retried_and_the_api_key_never_leaks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "sk-ember-" + uuid.uuid4().hex
+    monkeypatch.setenv("EMBER_TEST_KEY", secret)
+    caplog.set_level(logging.DEBUG)
+    async with fakes("bad_request", "good") as (bad, good), remote(
+        [bad.url, good.url], api_key_env="EMBER_TEST_KEY"
+    ) as engine:
+        assert (await collect(engine.stream("p", PARAMS, "r0", routing_key=key_for(engine, good.url)))).text == "from-1 ok"
+        with pytest.raises(EngineError, match="HTTP 400") as err:
+            await collect(engine.stream("p", PARAMS, "r1", routing_key=key_for(engine, bad.url)))
+    assert good.completions == 1  # a 400 would fail on every replica: not retried
+    assert status(engine, bad.url).up  # and the replica is fine
+    assert all(h.get("authorization") == f"Bearer {secret}" for _, _, h in bad.requests + good.requests)
+    assert "you sent Bearer ***" in str(err.value)
+    assert secret not in str(err.value) and secret not in repr(err.value.__cause__)
+    assert secret not in caplog.text
+
+
+# -- real vLLM servers ---------------------------------------------------------------------------------
+
+CODE_PROMPTS = [
+    'import os\n\n\ndef read_lines(path):\n    """Return the lines of the file at path."""\n',
+    "function debounce(fn, ms) {\n  let timer;\n  return function (...args) {\n",
+]
+
+
+@pytest.mark.slow
+async def test_stream_equals_embedded_engine(vllm_pair: Pair) -> None:
+    from engine.embedded import EmbeddedConfig, EmbeddedEngine
+
+    params = [GenerationParams(max_tokens=16), GenerationParams(max_tokens=16, stop=("\n\n",))]
+    # The embedded engine runs first and is shut down before the remote comparison (2 cores).
+    embedded = EmbeddedEngine(EmbeddedConfig(model_path=vllm_pair.model_path, model_name=SERVED_NAME))
+    await embedded.start()
+    try:
+        expected = [await collect(embedded.stream(p, params[i], f"emb-{i}")) for i, p in enumerate(CODE_PROMPTS)]
+    finally:
+        await embedded.close()
+
+    await vllm_pair.a.wait_ready()
+    async with remote([vllm_pair.a.url], first_token_timeout=30.0, read_timeout=30.0) as engine:
+        assert engine.model.name == SERVED_NAME and engine.model.max_model_len == 2048
+        got = [await collect(engine.stream(p, params[i], f"rem-{i}")) for i, p in enumerate(CODE_PROMPTS)]
+        # The tokenizer came from the folder vLLM reports as the model root: exact counts.
+        assert engine.tokenizer.count(CODE_PROMPTS[0]) == got[0].last.prompt_tokens
+    for want, have in zip(expected, got):
+        assert have.text == want.text and have.text
+        assert have.last.finish_reason == want.last.finish_reason
+        assert have.tokens == want.tokens
+        assert have.last.prompt_tokens == want.chunks[0].prompt_tokens
+        assert len(have.chunks) > 2  # streamed, not one blob
+    assert got[0].last.finish_reason == "length" and got[0].tokens == 16
+
+
+def long_prefix() -> str:
+    header = f"# module {uuid.uuid4().hex}: unique, so nothing of it is cached yet\nimport math\n\n"
+    body = "".join(f"def helper_{i}(x, y):\n    return x * {i} + math.sqrt(y) - {i * 3}\n\n" for i in range(24))
+    return header + body + "\ndef main():\n"
+
+
+@pytest.mark.slow
+async def test_small_edit_hits_the_prefix_cache(vllm_pair: Pair) -> None:
+    await vllm_pair.a.wait_ready()
+    prefix = long_prefix()
+    async with remote([vllm_pair.a.url], first_token_timeout=30.0, read_timeout=30.0) as engine:
+        shared = engine.tokenizer.count(prefix)
+        assert shared >= 300
+        params = GenerationParams(max_tokens=4)
+        cold = await collect(engine.stream(prefix + "    total = helper_1(2, 3)\n", params, "cold"))
+        hits_before = await prefix_cache_hits(vllm_pair.a.url)
+        warm = await collect(engine.stream(prefix + "    value = helper_2(5, 7) + 1\n", params, "warm"))
+        hits_after = await prefix_cache_hits(vllm_pair.a.url)
+    assert cold.last.cached_tokens == 0
+    assert warm.last.prompt_tokens is not None and warm.last.prompt_tokens > shared
+    cached = warm.last.cached_tokens
+    assert cached is not None and cached % 32 == 0  # whole 32-token blocks
+    assert shared - 32 <= cached <= shared, (cached, shared)
+    assert hits_before is not None and hits_after is not None and hits_after - hits_before >= cached
+    log.info("prefix cache: %d of %d prompt tokens; 4 tokens cold %.2f s, warm %.2f s", cached, warm.last.prompt_tokens, cold.seconds, warm.seconds)
+
+
+@pytest.mark.slow
+async def test_closing_the_stream_stops_generation_on_the_server(vllm_pair: Pair) -> None:
+    await vllm_pair.a.wait_ready()
+
+    async def generated() -> float:
+        samples = await fetch_metrics(vllm_pair.a.url)
+        return metric_sum(samples, "vllm:generation_tokens_total") or 0.0
+
+    async with remote([vllm_pair.a.url], first_token_timeout=30.0, read_timeout=30.0) as engine:
+        before = await generated()
+        stream = engine.stream(CODE_PROMPTS[0], GenerationParams(max_tokens=400), "walk-away")
+        first = await anext(stream)
+        await stream.aclose()
+        # abort() on a request that is streaming ends it with finish_reason "abort".
+        chunks: list[Chunk] = []
+        async for chunk in engine.stream(CODE_PROMPTS[1], GenerationParams(max_tokens=400), "aborted"):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                await engine.abort("aborted")
+        await asyncio.sleep(1.0)
+        after = await generated()
+        await asyncio.sleep(1.0)
+        assert await generated() == after  # nothing is still generating
+    assert first.text
+    assert chunks[-1].finish_reason == "abort" and len(chunks) == 3
+    assert after - before < 100, after - before  # far less than the 800 tokens asked for
+
+
+async def finished(server: VllmServer) -> float:
+    value = await finished_requests(server.url)
+    assert value is not None
+    return value
+
+
+async def settled_count(server: VllmServer) -> float:
+    """The finished-request counter once it stops moving (stale requests from a pause drain)."""
+    last = await finished(server)
+    while True:
+        await asyncio.sleep(0.7)
+        now = await finished(server)
+        if now == last:
+            return now
+        last = now
+
+
+@pytest.mark.slow
+async def test_replicas_keep_keys_fail_over_and_come_back(vllm_pair: Pair) -> None:
+    a, b = vllm_pair.a, vllm_pair.b
+    await a.wait_ready()
+    await b.wait_ready()
+    params = GenerationParams(max_tokens=4)
+    deadline = 4.0
+    async with remote(
+        [a.url, b.url], first_token_timeout=deadline, read_timeout=10.0, probe_timeout=1.0,
+        probe_initial=0.5, probe_max=1.0, metrics_interval=0.5,
+    ) as engine:  # fmt: skip
+        key_a, key_b = key_for(engine, a.url), key_for(engine, b.url)
+        a0, b0 = await finished(a), await finished(b)
+        for i in range(3):
+            for key in (key_a, key_b):
+                result = await collect(engine.stream(f"{CODE_PROMPTS[0]}# {i}\n", params, f"s{i}{key}", routing_key=key))
+                assert result.text
+        assert (await finished(a) - a0, await finished(b) - b0) == (3, 3)  # every key stayed home
+
+        # A frozen replica accepts connections but never answers: one deadline, then the other.
+        b.signal(signal.SIGSTOP)
+        a1 = await finished(a)
+        frozen = await collect(engine.stream(CODE_PROMPTS[0], params, "frozen-1", routing_key=key_b))
+        assert frozen.text and frozen.seconds < deadline + 3.0, frozen.seconds
+        assert not status(engine, b.url).up
+        skipped = await collect(engine.stream(CODE_PROMPTS[0], params, "frozen-2", routing_key=key_b))
+        assert skipped.seconds < 2.0, skipped.seconds  # no second wait: the replica is out
+        assert await finished(a) - a1 == 2
+        log.info("frozen replica: first request %.2f s (deadline %.1f s), next %.2f s", frozen.seconds, deadline, skipped.seconds)
+
+        # Thawed, the probe brings it back and its keys return to it.
+        b.signal(signal.SIGCONT)
+        back = await wait_for(lambda: status(engine, b.url).up, 10.0, "the probe to bring b back")
+        log.info("replica back %.2f s after SIGCONT", back)
+        b1 = await settled_count(b)
+        assert (await collect(engine.stream(CODE_PROMPTS[0], params, "back", routing_key=key_b))).text
+        assert await finished(b) - b1 == 1
+
+
+@pytest.mark.slow
+async def test_replica_killed_before_and_during_streaming(vllm_pair: Pair) -> None:
+    """Runs last: it kills both replicas."""
+    a, b = vllm_pair.a, vllm_pair.b
+    await a.wait_ready()
+    await b.wait_ready()
+    deadline = 6.0
+    async with remote(
+        [a.url, b.url], first_token_timeout=deadline, read_timeout=10.0, probe_timeout=1.0, probe_initial=0.5,
+        metrics_interval=30.0,
+    ) as engine:  # fmt: skip
+        key_b = key_for(engine, b.url)
+        # Requests sit in b (frozen, so none can start streaming) when b dies: all move to a at once.
+        b.signal(signal.SIGSTOP)
+        a0 = await finished(a)
+        pending = [
+            asyncio.create_task(collect(engine.stream(f"{CODE_PROMPTS[0]}# {i}\n", GenerationParams(max_tokens=4), f"k{i}", routing_key=key_b)))
+            for i in range(3)
+        ]
+        await asyncio.sleep(1.0)
+        killed = time.perf_counter()
+        b.kill()
+        results = await asyncio.gather(*pending)
+        elapsed = time.perf_counter() - killed
+        assert all(r.text for r in results)
+        assert await finished(a) - a0 == 3  # none lost
+        assert max(r.seconds for r in results) < deadline, [r.seconds for r in results]  # not one full deadline
+        assert not status(engine, b.url).up
+        log.info("replica killed with 3 queued requests: all served by the other %.2f s after the kill", elapsed)
+
+        # Text already streamed cannot move: a break mid-stream is an error naming the replica.
+        received: list[str] = []
+        with pytest.raises(EngineError, match="broke mid-stream") as err:
+            async for chunk in engine.stream(CODE_PROMPTS[1], GenerationParams(max_tokens=300), "long", routing_key=key_b):
+                received.append(chunk.text)
+                if len(received) == 2:
+                    killed = time.perf_counter()
+                    a.kill()
+        noticed = time.perf_counter() - killed
+        assert len(received) == 2 and noticed < 2.0, noticed
+        assert a.url in str(err.value)
+
+        # Nothing left: a clear error, quickly.
+        started = time.perf_counter()
+        with pytest.raises(EngineError, match="no engine server could serve"):
+            await collect(engine.stream("x", GenerationParams(max_tokens=2), "none", routing_key=key_b))
+        assert time.perf_counter() - started < 2.0
