@@ -1,7 +1,8 @@
 """One completion, from a document and cursor to the text to insert.
 
 document -> context.build_prompt -> (caches) -> engine.stream -> context.postprocess. Shared by every
-editor session of the process; per-document state is the last shown suggestion (typed-through reuse).
+editor session of the process. Per document it remembers the last suggestion (typed-through reuse)
+and the generation in flight (a newer request either attaches to it or supersedes it).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 from cachetools import LRUCache
 
@@ -24,21 +25,48 @@ from engine.base import Engine, EngineError, EngineNotReady, GenerationParams
 from lsp.config import Settings
 from lsp.metrics import Metrics, RequestMetrics
 
+try:
+    from context.prompt import build_naive_prompt
+except ImportError:  # pragma: no cover - until the naive baseline lands
+    build_naive_prompt = build_prompt  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 # How much text around the cursor post-processing looks at (it needs lines, not the file).
 _AROUND = 8000
 _REUSE_CONTEXT = 256
+DocKey = tuple[Hashable, str]  # (editor session, uri): two TCP sessions may open the same uri
 
 
 @dataclass
-class Suggestion:
-    """What was last offered for a document, to answer from it while the user types it."""
+class Cursor:
+    """The text around a cursor, to tell whether a later cursor is the same place plus typing."""
 
     offset: int
-    before: str  # text just before the cursor at the time
-    after: str  # text just after the cursor at the time
-    text: str
+    before: str
+    after: str
+
+    @classmethod
+    def at(cls, text: str, offset: int) -> Cursor:
+        return cls(offset, text[max(0, offset - _REUSE_CONTEXT) : offset], text[offset : offset + _REUSE_CONTEXT])
+
+    def typed_since(self, text: str, offset: int) -> str | None:
+        """What the user typed at this cursor to reach ``offset`` in ``text``; None if it moved."""
+        if offset < self.offset or not text[: self.offset].endswith(self.before):
+            return None
+        if text[offset : offset + len(self.after)] != self.after:
+            return None
+        return text[self.offset : offset]
+
+
+@dataclass
+class Running:
+    """A generation in flight for one document."""
+
+    cursor: Cursor
+    task: asyncio.Task[str]
+    partial: str = ""  # post-processed text so far (the final text once the task is done)
+    attached: int = 0  # later requests waiting on this generation
 
 
 @dataclass
@@ -47,18 +75,46 @@ class Completion:
     metrics: RequestMetrics
 
 
-class Completer:
-    def __init__(self, engine_source: Callable[[], Engine | None], metrics: Metrics, cache_bytes: int = 8 << 20) -> None:
-        self._engine_source = engine_source
-        self.metrics = metrics
-        # Bounded in bytes; each entry costs its text plus a fixed overhead, so entries are bounded too.
-        self.cache: LRUCache[str, str] = LRUCache(maxsize=cache_bytes, getsizeof=lambda text: len(text) + 256)
-        self._suggestions: LRUCache[str, Suggestion] = LRUCache(maxsize=1024)
-        self._ids = itertools.count(1)
-        self._template: tuple[str, FimTemplate] | None = None
+@dataclass
+class _Typing:
+    last_request: float = 0.0
+    interval_ms: float | None = None  # moving average of the time between requests
 
-    def forget(self, uri: str) -> None:
-        self._suggestions.pop(uri, None)
+
+@dataclass
+class Completer:
+    engine_source: Callable[[], Engine | None]
+    metrics: Metrics
+    cache_bytes: int = 8 << 20
+    cache: LRUCache[str, str] = field(init=False)
+    _suggestions: LRUCache[DocKey, tuple[Cursor, str]] = field(init=False)
+    _running: dict[DocKey, Running] = field(init=False, default_factory=dict)
+    _typing: LRUCache[DocKey, _Typing] = field(init=False)
+    _template: tuple[str, FimTemplate] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        # Bounded in bytes; each entry costs its text plus a fixed overhead, so entries are bounded too.
+        self.cache = LRUCache(maxsize=self.cache_bytes, getsizeof=lambda text: len(text) + 256)
+        self._suggestions = LRUCache(maxsize=1024)
+        self._typing = LRUCache(maxsize=1024)
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def forget(self, key: DocKey) -> None:
+        self._suggestions.pop(key, None)
+        self._typing.pop(key, None)
+        running = self._running.pop(key, None)
+        if running is not None:
+            running.task.cancel()
+
+    def cancel_all(self, session: Hashable) -> None:
+        for key in [k for k in self._running if k[0] == session]:
+            self._running.pop(key).task.cancel()
+
+    @property
+    def busy(self) -> bool:
+        return any(not r.task.done() for r in self._running.values())
 
     def template_for(self, engine: Engine, override: str | None) -> FimTemplate:
         key = f"{engine.model.name}|{override}"
@@ -66,8 +122,27 @@ class Completer:
             self._template = (key, choose_template(engine.model.special_tokens, engine.model.name, override))
         return self._template[1]
 
+    def debounce_s(self, key: DocKey, settings: Settings) -> float:
+        """How long to wait before generating: up to ``debounce_ms``, shorter when the user types
+        slower than that (a pause is the signal, not a fixed timer)."""
+        now = time.monotonic()
+        typing = self._typing.setdefault(key, _Typing())
+        if typing.last_request:
+            gap_ms = (now - typing.last_request) * 1000
+            if gap_ms < 2000:
+                typing.interval_ms = gap_ms if typing.interval_ms is None else 0.7 * typing.interval_ms + 0.3 * gap_ms
+        typing.last_request = now
+        if settings.debounce_ms <= 0:
+            return 0.0
+        if typing.interval_ms is None:
+            return settings.debounce_ms / 1000
+        return min(settings.debounce_ms, 1.2 * typing.interval_ms) / 1000
+
+    # ------------------------------------------------------------------ completion
+
     async def complete(
         self,
+        key: DocKey,
         doc: Document,
         offset: int,
         settings: Settings,
@@ -75,51 +150,133 @@ class Completer:
         snippets: tuple[Snippet, ...] = (),
         on_text: Callable[[str], None] | None = None,
     ) -> Completion:
-        """The text to insert at ``offset``; "" when there is nothing useful (never raises for engine
-        trouble: the reason is in ``metrics.outcome`` and the log)."""
+        """The text to insert at ``offset``; "" when there is nothing useful (engine trouble does not
+        raise: the reason is in ``metrics.outcome`` and the log). Cancelling the caller's task
+        cancels the generation (and the engine-side request) unless another request attached to it."""
         started = time.perf_counter()
         metrics = RequestMetrics()
         text = doc.text
-        prefix = text[max(0, offset - _AROUND) : offset]
-        suffix = text[offset : offset + _AROUND]
-        mode = completion_mode(prefix, suffix, doc.language_id)
-        metrics.mode = mode
+        running = self._running.get(key)
 
-        reused = self._typed_through(doc.uri, text, offset)
-        if reused:
-            metrics.cache_hit = True
-            return self._done(doc.uri, offset, text, reused, metrics, started)
+        if settings.reuse:
+            reused = self._typed_through(key, text, offset)
+            if reused is not None:
+                metrics.cache_hit = True
+                return self._done(key, text, offset, reused, metrics, started)
+            attached = await self._attach(running, text, offset) if running is not None else None
+            if attached is not None:
+                metrics.cache_hit = True
+                metrics.outcome = "attached"
+                return self._done(key, text, offset, attached, metrics, started)
+        if running is not None:
+            running.task.cancel()  # superseded by this request
 
-        engine = self._engine_source()
+        delay = self.debounce_s(key, settings)
+        if delay:
+            await asyncio.sleep(delay)  # a newer request cancels this one meanwhile
+
+        engine = self.engine_source()
         if engine is None or not engine.ready:
             metrics.outcome = "loading"
             return Completion("", metrics.finish(started))
 
-        template = self.template_for(engine, settings.fim_template)
-        prompt = build_prompt(
-            text,
+        prefix = text[max(0, offset - _AROUND) : offset]
+        suffix = text[offset : offset + _AROUND]
+        mode = completion_mode(prefix, suffix, doc.language_id)
+        metrics.mode = mode
+        prompt = self.prompt_for(engine, doc, offset, settings, snippets)
+        cache_key = _cache_key(prompt, mode, settings)
+        cached = self.cache.get(cache_key) if settings.reuse else None
+        if cached is not None:
+            metrics.cache_hit = True
+            return self._done(key, text, offset, cached, metrics, started)
+
+        this = Running(Cursor.at(text, offset), asyncio.ensure_future(asyncio.sleep(0)))  # placeholder task
+
+        def on_partial(partial: str) -> None:
+            this.partial = partial
+            if on_text is not None:
+                on_text(partial)
+
+        this.task = asyncio.ensure_future(
+            self._generate(engine, prompt, prefix, suffix, doc.language_id, mode, settings, metrics, on_partial, started)
+        )
+        self._running[key] = this
+        try:
+            raw = await asyncio.shield(this.task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                if not this.attached:
+                    this.task.cancel()  # $/cancelRequest: stop the engine-side generation too
+                raise
+            metrics.outcome = "superseded"
+            return Completion("", metrics.finish(started))
+        finally:
+            if self._running.get(key) is this:
+                del self._running[key]
+        if raw is None:
+            return Completion("", metrics.finish(started))
+        final = postprocess(strip_control_tokens(raw), prefix, suffix, doc.language_id, mode)
+        self.cache[cache_key] = final
+        return self._done(key, text, offset, final, metrics, started)
+
+    def prompt_for(
+        self, engine: Engine, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()
+    ) -> Prompt:
+        build = build_naive_prompt if settings.prompt_strategy == "naive" else build_prompt
+        return build(
+            doc.text,
             offset,
             uri=doc.uri,
             language_id=doc.language_id,
             tree=doc.tree,
             cursor_byte=doc.byte_offset(offset) if doc.tree is not None else None,
-            template=template,
+            template=self.template_for(engine, settings.fim_template),
             counter=engine.tokenizer,
             budget=PromptBudget(prefix_tokens=settings.context_tokens, suffix_tokens=settings.suffix_tokens),
             snippets=snippets,
         )
-        cache_key = _cache_key(prompt, mode, settings)
-        cached = self.cache.get(cache_key)
-        if cached is not None:
-            metrics.cache_hit = True
-            return self._done(doc.uri, offset, text, cached, metrics, started)
 
-        raw = await self._generate(engine, prompt, prefix, suffix, doc.language_id, mode, settings, metrics, on_text, started)
-        if raw is None:
-            return Completion("", metrics.finish(started))
-        final = postprocess(strip_control_tokens(raw), prefix, suffix, doc.language_id, mode)
-        self.cache[cache_key] = final
-        return self._done(doc.uri, offset, text, final, metrics, started)
+    async def warm(self, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()) -> bool:
+        """Prefill the stable part of the prompt at ``offset`` (one output token) so the next real
+        request only prefills its tail. Skipped while any completion runs: never competes."""
+        engine = self.engine_source()
+        if engine is None or not engine.ready or self.busy or not settings.warmup:
+            return False
+        prompt = self.prompt_for(engine, doc, offset, settings, snippets)
+        stable = prompt.text[: prompt.stable_chars]
+        if len(stable) < 64:
+            return False
+        request_id = f"ember-warm-{next(self._ids)}"
+        try:
+            async for _ in engine.stream(stable, GenerationParams(max_tokens=1), request_id, routing_key=prompt.key.routing_key):
+                pass
+        except EngineError as exc:
+            log.debug("warm-up %s failed: %s", request_id, exc)
+            return False
+        return True
+
+    async def _attach(self, running: Running, text: str, offset: int) -> str | None:
+        """When the user typed what the generation in flight is producing, wait for it instead of
+        starting over, and answer with the rest."""
+        typed = running.cursor.typed_since(text, offset)
+        if typed is None or running.task.done() or not running.partial.startswith(typed):
+            return None
+        running.attached += 1
+        try:
+            raw = await asyncio.shield(running.task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            return None
+        finally:
+            running.attached -= 1
+        final = running.partial
+        if raw is None or not final.startswith(typed) or len(final) <= len(typed):
+            return None
+        return final[len(typed) :]
 
     async def _generate(
         self,
@@ -131,7 +288,7 @@ class Completer:
         mode: str,
         settings: Settings,
         metrics: RequestMetrics,
-        on_text: Callable[[str], None] | None,
+        on_text: Callable[[str], None],
         started: float,
     ) -> str | None:
         request_id = f"ember-{next(self._ids)}"
@@ -143,7 +300,7 @@ class Completer:
                 stream = engine.stream(prompt.text, params, request_id, routing_key=prompt.key.routing_key)
                 try:
                     async for chunk in stream:
-                        if metrics.ttft_ms is None:
+                        if metrics.ttft_ms is None and chunk.text:
                             metrics.ttft_ms = (time.perf_counter() - started) * 1000
                         if chunk.prompt_tokens is not None:
                             metrics.prompt_tokens = chunk.prompt_tokens
@@ -154,8 +311,7 @@ class Completer:
                         if cut is not None:
                             raw = raw[:cut]
                             break
-                        if on_text is not None:
-                            on_text(postprocess(strip_control_tokens(raw), prefix, suffix, language_id, mode))
+                        on_text(postprocess(strip_control_tokens(raw), prefix, suffix, language_id, mode))
                 finally:
                     # Closing the stream aborts the engine-side request when we stopped early.
                     await stream.aclose()
@@ -171,16 +327,13 @@ class Completer:
             return None
         finally:
             metrics.engine_ms = (time.perf_counter() - engine_started) * 1000
+        final = postprocess(strip_control_tokens(raw), prefix, suffix, language_id, mode)
+        on_text(final)
         return raw
 
-    def _done(self, uri: str, offset: int, text: str, completion: str, metrics: RequestMetrics, started: float) -> Completion:
+    def _done(self, key: DocKey, text: str, offset: int, completion: str, metrics: RequestMetrics, started: float) -> Completion:
         if completion:
-            self._suggestions[uri] = Suggestion(
-                offset=offset,
-                before=text[max(0, offset - _REUSE_CONTEXT) : offset],
-                after=text[offset : offset + _REUSE_CONTEXT],
-                text=completion,
-            )
+            self._suggestions[key] = (Cursor.at(text, offset), completion)
         elif metrics.outcome == "ok":
             metrics.outcome = "empty"
         metrics.finish(started)
@@ -188,19 +341,16 @@ class Completer:
         log.debug("completion metrics %s", metrics.as_dict())
         return Completion(completion, metrics)
 
-    def _typed_through(self, uri: str, text: str, offset: int) -> str | None:
+    def _typed_through(self, key: DocKey, text: str, offset: int) -> str | None:
         """The rest of the last suggestion when the user has typed its beginning."""
-        last = self._suggestions.get(uri)
-        if last is None or offset < last.offset:
+        last = self._suggestions.get(key)
+        if last is None:
             return None
-        typed = text[last.offset : offset]
-        if not last.text.startswith(typed) or len(typed) >= len(last.text):
+        cursor, suggestion = last
+        typed = cursor.typed_since(text, offset)
+        if typed is None or not suggestion.startswith(typed) or len(typed) >= len(suggestion):
             return None
-        if not text[: last.offset].endswith(last.before):
-            return None
-        if text[offset : offset + len(last.after)] != last.after:
-            return None
-        return last.text[len(typed) :]
+        return suggestion[len(typed) :]
 
 
 def _cache_key(prompt: Prompt, mode: str, settings: Settings) -> str:

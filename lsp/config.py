@@ -30,6 +30,10 @@ class Settings:
     fim_template: str | None = None
     max_document_bytes: int = 10_000_000
     cross_file: bool = True
+    # Switches for benchmarks that measure what each idea buys (all on for users).
+    prompt_strategy: str = "ast"  # "ast": anchored syntax-aware window; "naive": last N lines + next N
+    reuse: bool = True  # completion cache, typed-through reuse, attaching to in-flight generations
+    warmup: bool = True  # prefill the stable prompt part when a document opens or typing pauses
 
 
 # key -> (type, lower bound, upper bound)
@@ -91,7 +95,11 @@ def _validate(key: str, value: Any, source: str, raw_key: str) -> Any:
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where} must be a string")
         return value or None
-    if key == "cross_file":
+    if key == "prompt_strategy":
+        if value not in ("ast", "naive"):
+            raise ConfigError(f"{where} must be \"ast\" or \"naive\", got {value!r}")
+        return value
+    if key in ("cross_file", "reuse", "warmup"):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false")
         return value

@@ -32,6 +32,7 @@ from lsp.metrics import Metrics
 log = logging.getLogger(__name__)
 
 STATS_METHOD = "ember/stats"
+WARMUP_PAUSE_S = 0.4
 VERSION = "0.1.0"
 
 
@@ -147,11 +148,12 @@ class EmberServer(LanguageServer):
         self.required_token = token
         self.exit_process = exit_process
         self.authorized = token is None
-        self._inflight: dict[str, asyncio.Task[Any]] = {}
+        self._warmups: dict[str, asyncio.Task[Any]] = {}
         self._messages_shown: set[str] = set()
 
     def on_exit(self) -> None:
-        for task in self._inflight.values():
+        self.core.completer.cancel_all(id(self))
+        for task in self._warmups.values():
             task.cancel()
         if self._stop_event is not None:
             self._stop_event.set()
@@ -192,6 +194,22 @@ class EmberServer(LanguageServer):
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"{doc.uri}: {exc}") from exc
 
+    def schedule_warmup(self, doc: Document, offset: int, delay_s: float) -> None:
+        """After a pause in typing (no further change for ``delay_s``), prefill the stable part of
+        the prompt at the last edit so the next request only prefills its tail."""
+        previous = self._warmups.pop(doc.uri, None)
+        if previous is not None:
+            previous.cancel()
+        if not self.settings.warmup:
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(delay_s)
+            if self.core.ready and self.documents.get(doc.uri) is doc:
+                await self.core.completer.warm(doc, offset, self.settings, self.other_files(doc))
+
+        self._warmups[doc.uri] = asyncio.ensure_future(later())
+
     def other_files(self, current: Document) -> tuple[Snippet, ...]:
         """Snippets from the other open documents of the same language, in a stable order."""
         if not self.settings.cross_file:
@@ -205,7 +223,8 @@ class EmberServer(LanguageServer):
     # ------------------------------------------------------------------ completion
 
     async def complete(self, uri: str, position: types.Position, on_text: Callable[[str], None] | None = None) -> str:
-        """Generated text for the cursor; a newer request for the same document supersedes this one."""
+        """Generated text for the cursor; a newer request for the same document supersedes this one
+        (which then answers "") unless it continues what this one is generating."""
         doc = self.document(uri)
         offset = self.offset_of(doc, position)
         if len(doc.text) > self.settings.max_document_bytes:
@@ -215,24 +234,9 @@ class EmberServer(LanguageServer):
             if self.core.engine_error:
                 self.notify_user(f"the engine is not available: {self.core.engine_error}")
             return ""
-        previous = self._inflight.pop(uri, None)
-        if previous is not None:
-            previous.cancel()
-        task = asyncio.ensure_future(
-            self.core.completer.complete(doc, offset, self.settings, snippets=self.other_files(doc), on_text=on_text)
+        result = await self.core.completer.complete(
+            (id(self), uri), doc, offset, self.settings, snippets=self.other_files(doc), on_text=on_text
         )
-        self._inflight[uri] = task
-        try:
-            result = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.cancel()
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise  # $/cancelRequest or shutdown: pygls answers RequestCancelled
-            return ""  # superseded by a newer request for this document
-        finally:
-            if self._inflight.get(uri) is task:
-                del self._inflight[uri]
         if result.metrics.outcome == "error":
             self.notify_user("the engine failed to generate; see the log", types.MessageType.Warning)
         return result.text
@@ -282,13 +286,13 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
 
     @server.feature(types.SHUTDOWN)
     def shutdown(ls: EmberServer, params: Any) -> None:
-        for task in ls._inflight.values():
-            task.cancel()
+        ls.on_exit()
 
     @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: EmberServer, params: types.DidOpenTextDocumentParams) -> None:
         item = params.text_document
-        ls.documents[item.uri] = Document(item.uri, item.language_id, item.text, item.version)
+        doc = ls.documents[item.uri] = Document(item.uri, item.language_id, item.text, item.version)
+        ls.schedule_warmup(doc, len(doc.text), delay_s=0.0)
 
     @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: EmberServer, params: types.DidChangeTextDocumentParams) -> None:
@@ -303,11 +307,16 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
                 doc.apply_change(change.text, (start, end), params.text_document.version)
             else:
                 doc.apply_change(change.text, None, params.text_document.version)
+        last = params.content_changes[-1] if params.content_changes else None
+        if isinstance(last, types.TextDocumentContentChangePartial):
+            start = ls.to_utf16(doc, last.range.start.line, last.range.start.character)
+            typed_end = doc.offset_at(*start, clamp=True) + len(last.text)
+            ls.schedule_warmup(doc, min(typed_end, len(doc.text)), delay_s=WARMUP_PAUSE_S)
 
     @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: EmberServer, params: types.DidCloseTextDocumentParams) -> None:
         ls.documents.pop(params.text_document.uri, None)
-        core.completer.forget(params.text_document.uri)
+        core.completer.forget((id(ls), params.text_document.uri))
 
     @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
     def did_change_configuration(ls: EmberServer, params: types.DidChangeConfigurationParams) -> None:
