@@ -3,6 +3,10 @@
 Order matters for the KV cache: with suffix-prefix-middle (SPM) the text before the cursor sits
 last, so typing only appends to the prompt. Families trained on SPM use it; the others use
 prefix-suffix-middle with a short suffix, which keeps all of the prefix cached anyway.
+
+Two SPM layouts exist in the wild: BigCode's (StarCoder: ``<pre><suf>suffix<mid>prefix``, the
+"variant 2" of the FIM paper that their training code emits) and Mistral's (``[SUFFIX]suffix
+[PREFIX]prefix``). Both keep the prefix last; ``spm_lead``/``spm_join`` say which tokens go where.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -20,18 +25,41 @@ class FimTemplate:
     middle: str = ""
     order: str = "psm"  # "psm", "spm" or "none" (prefix only)
     stop: tuple[str, ...] = ()
+    # SPM only: the tokens before the suffix and between suffix and prefix; None = BigCode's
+    # layout (prefix+suffix tokens, then the middle token).
+    spm_lead: str | None = None
+    spm_join: str | None = None
 
     @property
     def has_fim(self) -> bool:
         return self.order != "none"
 
-    def render(self, head: str, prefix: str, suffix: str) -> str:
-        """``head`` is the stable context (other files, imports) that precedes the prefix."""
+    def split(self, head: str, suffix: str) -> tuple[str, str]:
+        """``(before, after)`` such that the prompt is ``before + prefix + after``.
+
+        ``head`` is the stable context (other files, imports) that precedes the prefix. Kept apart
+        from :meth:`render` so that callers know where the prefix starts without searching.
+        """
         if self.order == "none":
-            return head + prefix
+            return head, ""
         if self.order == "spm":
-            return f"{self.suffix}{suffix}{self.prefix}{head}{prefix}{self.middle}"
-        return f"{self.prefix}{head}{prefix}{self.suffix}{suffix}{self.middle}"
+            lead = self.prefix + self.suffix if self.spm_lead is None else self.spm_lead
+            join = self.middle if self.spm_join is None else self.spm_join
+            # The middle token (if the layout has one left) would break "typing only appends" if it
+            # sat before the prefix; BigCode's layout already spent it in ``join``.
+            tail = "" if self.spm_join is None else self.middle
+            return f"{lead}{suffix}{join}{head}", tail
+        return f"{self.prefix}{head}", f"{self.suffix}{suffix}{self.middle}"
+
+    def render(self, head: str, prefix: str, suffix: str) -> str:
+        before, after = self.split(head, suffix)
+        return before + prefix + after
+
+    @property
+    def control_tokens(self) -> tuple[str, ...]:
+        """The strings that the model's tokenizer turns into control tokens for this template."""
+        marks = (self.prefix, self.suffix, self.middle, self.spm_lead or "", self.spm_join or "", *self.stop)
+        return tuple(sorted({m.strip() for m in marks if m.strip()}))
 
 
 PREFIX_ONLY = FimTemplate("prefix-only", order="none")
@@ -64,7 +92,7 @@ TEMPLATES: dict[str, FimTemplate] = {
             ("<｜end▁of▁sentence｜>", "<|EOT|>"),
         ),
         FimTemplate("codellama", "<PRE> ", " <SUF>", " <MID>", "psm", ("<EOT>", "</s>")),
-        FimTemplate("codestral", "[PREFIX]", "[SUFFIX]", "", "spm", ("</s>",)),
+        FimTemplate("codestral", "[PREFIX]", "[SUFFIX]", "", "spm", ("</s>",), spm_lead="[SUFFIX]", spm_join="[PREFIX]"),
         PREFIX_ONLY,
     )
 }
@@ -88,7 +116,12 @@ _NAME_HINTS: tuple[tuple[str, str], ...] = (
     (r"codestral", "codestral"),
 )
 
-_LEAKING_TOKEN = re.compile(r"<\|[a-z_]+\|>|<fim_[a-z]+>|<｜[^｜]+｜>|<(?:PRE|SUF|MID|EOT)>|\[(?:PREFIX|SUFFIX)\]")
+_LEAKING_TOKEN = re.compile(
+    r"<\|[a-z_]+\|>|<fim_[a-z]+>|<(?:file_sep|repo_name|gh_stars)>|<｜[^｜]+｜>|<(?:PRE|SUF|MID|EOT)>|\[(?:PREFIX|SUFFIX)\]"
+)
+# Zero-width space: breaks a control token's string so the tokenizer reads it as plain text; a
+# human reading the prompt sees the same code.
+_BREAK = "\u200b"
 
 
 def choose_template(special_tokens: Iterable[str], model_name: str = "", override: str | None = None) -> FimTemplate:
@@ -109,5 +142,26 @@ def choose_template(special_tokens: Iterable[str], model_name: str = "", overrid
 
 
 def strip_control_tokens(text: str) -> str:
-    """Remove FIM/chat control tokens that a model may emit as text."""
-    return _LEAKING_TOKEN.sub("", text)
+    """Remove FIM/chat control tokens that a model may emit as text, and undo
+    :func:`neutralize_control_tokens` where the model copied a broken-up one from the prompt (it
+    is the user's own text then, and a zero-width space must not land in their file)."""
+    text = _LEAKING_TOKEN.sub("", text)
+    if _BREAK in text:
+        text = text.replace("<" + _BREAK, "<").replace("[" + _BREAK, "[")
+    return text
+
+
+@lru_cache(maxsize=32)
+def _control_pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
+    extra = "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True))
+    return re.compile(f"{_LEAKING_TOKEN.pattern}|{extra}" if extra else _LEAKING_TOKEN.pattern)
+
+
+def neutralize_control_tokens(text: str, template: FimTemplate = PREFIX_ONLY) -> str:
+    """Document text as it may enter a prompt: control-token strings that happen to be in the code
+    (a file about FIM, an HTML ``</s>``) are broken up so the tokenizer cannot read them as the
+    template's own markers."""
+    pattern = _control_pattern(template.control_tokens)
+    if pattern.search(text) is None:  # the common case: one scan, no copy
+        return text
+    return pattern.sub(lambda m: m.group(0)[0] + _BREAK + m.group(0)[1:], text)

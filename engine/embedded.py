@@ -69,7 +69,12 @@ class EmbeddedEngine:
 
     @property
     def ready(self) -> bool:
-        return self._llm is not None
+        return self._llm is not None and not self.dead
+
+    @property
+    def dead(self) -> bool:
+        """The engine core process died (killed, out of memory): a new engine must be started."""
+        return self._llm is not None and bool(getattr(self._llm, "errored", False))
 
     @property
     def model(self) -> ModelInfo:
@@ -132,6 +137,8 @@ class EmbeddedEngine:
     ) -> AsyncIterator[Chunk]:
         if self._llm is None:
             raise EngineNotReady("the model is still loading")
+        if self.dead:
+            raise EngineError("the vLLM engine process died; ember is restarting it")
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -160,6 +167,8 @@ class EmbeddedEngine:
         except EngineError:
             raise
         except Exception as exc:
+            if self.dead:
+                raise EngineError("the vLLM engine process died; ember is restarting it") from exc
             raise EngineError(f"generation failed: {exc}") from exc
         finally:
             if not finished:
@@ -167,7 +176,7 @@ class EmbeddedEngine:
                 await asyncio.shield(self.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
-        if self._llm is not None:
+        if self._llm is not None and not self.dead:
             try:
                 await self._llm.abort(request_id)
             except Exception as exc:  # an unknown id is fine: it already finished
@@ -190,4 +199,7 @@ class EmbeddedEngine:
     async def close(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:
-            await asyncio.to_thread(llm.shutdown, 2.0)
+            try:
+                await asyncio.to_thread(llm.shutdown, 2.0)
+            except Exception as exc:  # a dead engine may fail to shut down; it is gone either way
+                log.debug("engine shutdown: %s", exc)

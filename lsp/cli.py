@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ import threading
 from pygls.io_ import StdinAsyncReader, StdoutWriter, run_async
 
 from lsp.config import ConfigError, Settings, merge_settings
+from lsp.metrics import prometheus_text
 from lsp.server import VERSION, EmberCore, build_server, close_and_exit
 
 log = logging.getLogger("ember")
@@ -51,11 +53,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-tokens", type=int, help="token budget of the text before the cursor (default 1024)")
     parser.add_argument("--timeout-ms", type=int, help="deadline of one completion (default 15000)")
     parser.add_argument("--fim-template", help="force a FIM template (qwen2.5-coder, starcoder2, ..., prefix-only)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT/metrics")
     parser.add_argument("--token", help="secret that TCP clients send as initializationOptions.token")
     parser.add_argument("--tls-cert", help="PEM certificate for TCP (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key for TCP")
-    parser.add_argument("--log-level", default=os.environ.get("EMBER_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("EMBER_LOG_LEVEL", "INFO"),
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="DEBUG, INFO, WARNING, ERROR (default INFO, or $EMBER_LOG_LEVEL)",
+    )
     parser.add_argument("--log-file", help="write the log here instead of stderr")
+    parser.add_argument(
+        "--log-protocol",
+        action="store_true",
+        help="let pygls log protocol traces (messages sent in full, e.g. completions, and the initialize "
+        "params) at --log-level INFO/DEBUG; off by default so that logs hold no source code",
+    )
     parser.add_argument("--version", action="version", version=f"ember {VERSION}")
     return parser.parse_args(argv)
 
@@ -71,6 +86,22 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "fimTemplate": args.fim_template,
     }
     return merge_settings(Settings(), {k: v for k, v in options.items() if v is not None}, source="command line")
+
+
+class RedactSecret(logging.Filter):
+    """Replaces the TCP token in every log record (it arrives inside initializationOptions)."""
+
+    def __init__(self, secret: str) -> None:
+        super().__init__()
+        self.secrets = sorted({secret, json.dumps(secret)[1:-1]}, key=len, reverse=True)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if any(secret in message for secret in self.secrets):
+            for secret in self.secrets:
+                message = message.replace(secret, "<token>")
+            record.msg, record.args = message, None
+        return True
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -90,15 +121,39 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
+    """A minimal HTTP endpoint for Prometheus; loopback only, it reveals no source text."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 5)
+            ok = request.split(b" ")[1:2] == [b"/metrics"]
+            body = prometheus_text(core.metrics).encode() if ok else b"not found\n"
+            status = b"200 OK" if ok else b"404 Not Found"
+            writer.write(
+                b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+            )
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(answer, "127.0.0.1", port)
+
+
 def stop_on_sigterm(core: EmberCore) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(close_and_exit(core, 0)))
 
 
-async def serve_stdio(core: EmberCore) -> None:
+async def serve_stdio(core: EmberCore, metrics_port: int | None = None) -> None:
+    if metrics_port is not None:
+        await serve_metrics(core, metrics_port)
     server = build_server(core)
     server._stop_event = threading.Event()
-    server.protocol.set_writer(StdoutWriter(sys.stdout.buffer))
+    server.protocol.set_writer(StdoutWriter(lsp_stdout()))
     stop_on_sigterm(core)
     reader = StdinAsyncReader(sys.stdin.buffer, server.thread_pool)
     try:
@@ -110,10 +165,23 @@ async def serve_stdio(core: EmberCore) -> None:
             error_handler=server.report_server_error,
         )
     finally:
-        await core.close()
+        # stdin closed (the editor quit or crashed) or exit: never outlive the editor.
+        await close_and_exit(core, 0)
 
 
-async def serve_tcp(core: EmberCore, host: str, port: int, token: str | None, tls: ssl.SSLContext | None) -> None:
+def lsp_stdout():
+    """The LSP stream gets its own copy of fd 1, and fd 1 itself becomes stderr: a library (or
+    a child process) that prints to stdout cannot corrupt the protocol."""
+    stream = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr
+    return stream
+
+
+async def serve_tcp(
+    core: EmberCore, host: str, port: int, token: str | None, tls: ssl.SSLContext | None, metrics_port: int | None = None
+) -> None:
     """Each connection gets its own server (documents, settings); all share ``core``."""
 
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -138,6 +206,8 @@ async def serve_tcp(core: EmberCore, host: str, port: int, token: str | None, tl
             log.info("editor %s disconnected", peer)
 
     stop_on_sigterm(core)
+    if metrics_port is not None:
+        await serve_metrics(core, metrics_port)
     core.start_engine()
     listener = await asyncio.start_server(connection, host, port, ssl=tls)
     addresses = ", ".join(str(sock.getsockname()) for sock in listener.sockets)
@@ -153,15 +223,25 @@ async def serve_tcp(core: EmberCore, host: str, port: int, token: str | None, tl
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         filename=args.log_file,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.log_protocol:
+        # pygls logs whole messages (didOpen text, completions, initializationOptions) at INFO/DEBUG.
+        level = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
+        logging.getLogger("pygls").setLevel(level)
+    if args.token:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(RedactSecret(args.token))
     try:
         settings = settings_from_args(args)
         tcp = parse_host_port(args.tcp) if args.tcp else None
     except ConfigError as exc:
         print(f"ember: {exc}", file=sys.stderr)
+        return 2
+    if args.token is not None and not args.token.strip():
+        print("ember: --token must not be empty", file=sys.stderr)
         return 2
     if tcp and not is_loopback(tcp[0]) and not args.token:
         print(
@@ -181,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     core = EmberCore(settings)
     try:
         if tcp:
-            asyncio.run(serve_tcp(core, tcp[0], tcp[1], args.token, tls))
+            asyncio.run(serve_tcp(core, tcp[0], tcp[1], args.token, tls, args.metrics_port))
         else:
-            asyncio.run(serve_stdio(core))
+            asyncio.run(serve_stdio(core, args.metrics_port))
     except (KeyboardInterrupt, SystemExit, BrokenPipeError):
         pass
     return 0

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import threading
 import uuid
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
 from context.document import Document, PositionError
-from context.prompt import Snippet
+from context.prompt import Snippet, select_snippets
 from engine.base import Engine
 from lsp.completer import Completer
 from lsp.config import ConfigError, Settings, merge_settings
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 
 STATS_METHOD = "ember/stats"
 WARMUP_PAUSE_S = 0.4
+SNIPPET_CHARS = 880  # cross-file context: within the prompt builder's snippet budget (256 tokens)
+SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
+
+
+def import_lines(text: str) -> str:
+    """The lines that decide which other files matter; the cross-file choice is redone only when
+    they (or the other files) change, not on every keystroke."""
+    return "\n".join(line for line in text[:20_000].splitlines() if line.lstrip().startswith(("import ", "from ", "#include", "use ", "require(")) or " require(" in line)
 VERSION = "0.1.0"
 
 
@@ -51,17 +60,49 @@ class EmberCore:
         self.engine: Engine | None = None
         self.engine_error: str | None = None
         self._start_task: asyncio.Task[None] | None = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self._engine_settings = settings
+        self._backoff_s = 1.0
+        self.restarts = 0
         self.metrics = Metrics()
         self.completer = Completer(lambda: self.engine, self.metrics)
 
     @property
     def ready(self) -> bool:
+        if self.engine is not None and getattr(self.engine, "dead", False):
+            self.restart_engine()
+            return False
         return self.engine is not None and self.engine.ready
+
+    @property
+    def restarting(self) -> bool:
+        return self._restart_task is not None and not self._restart_task.done()
+
+    def restart_engine(self) -> None:
+        """Replace a dead engine, waiting longer after each failure (1 s, 2 s, 4 s ... 60 s)."""
+        if self._restart_task is not None and not self._restart_task.done():
+            return
+        dead, self.engine = self.engine, None
+        self.engine_error = "the engine process died; restarting it"
+        log.error("engine died; restarting in %.0f s", self._backoff_s)
+
+        async def restart() -> None:
+            if dead is not None:
+                await dead.close()
+            await asyncio.sleep(self._backoff_s)
+            self._backoff_s = min(60.0, self._backoff_s * 2)
+            self._start_task = None
+            await self.start_engine(self._engine_settings)
+            if self.engine is not None:
+                self.restarts += 1
+
+        self._restart_task = asyncio.get_running_loop().create_task(restart())
 
     def start_engine(self, settings: Settings | None = None) -> asyncio.Task[None]:
         """Start loading the model once; later calls return the same task."""
         if self._start_task is None:
-            self._start_task = asyncio.get_running_loop().create_task(self._start(settings or self.settings))
+            self._engine_settings = settings or self.settings
+            self._start_task = asyncio.get_running_loop().create_task(self._start(self._engine_settings))
         return self._start_task
 
     async def _start(self, settings: Settings) -> None:
@@ -75,13 +116,16 @@ class EmberCore:
             log.error("engine failed to start: %s", exc)
 
     async def wait_ready(self) -> bool:
+        if self._restart_task is not None and not self._restart_task.done():
+            await asyncio.shield(self._restart_task)
         if self._start_task is not None:
             await asyncio.shield(self._start_task)
         return self.ready
 
     async def close(self) -> None:
-        if self._start_task is not None and not self._start_task.done():
-            self._start_task.cancel()
+        for task in (self._start_task, self._restart_task):
+            if task is not None and not task.done():
+                task.cancel()
         if self.engine is not None:
             await self.engine.close()
 
@@ -92,7 +136,14 @@ def default_engine_factory(settings: Settings) -> Engine:
     if settings.engine_url:
         from engine.remote import RemoteEngine
 
-        return RemoteEngine(list(settings.engine_url), settings.model)
+        deadline_s = settings.timeout_ms / 1000
+        return RemoteEngine(
+            list(settings.engine_url),
+            settings.model,
+            # Fail over to another replica early enough to still answer within the deadline.
+            first_token_timeout=max(2.0, deadline_s / 3),
+            read_timeout=max(5.0, deadline_s / 2),
+        )
     from engine.embedded import EmbeddedConfig, EmbeddedEngine
     from engine.models import resolve_model
 
@@ -101,9 +152,61 @@ def default_engine_factory(settings: Settings) -> Engine:
 
 
 class EmberProtocol(LanguageServerProtocol):
+    """pygls' protocol with strict JSON-RPC/LSP edges: every request gets an answer, also a
+    malformed one (pygls would drop it and leave the client waiting), requests before
+    ``initialize`` get -32002 ServerNotInitialized and notifications then are dropped (LSP),
+    requests after ``shutdown`` get -32600 InvalidRequest (LSP)."""
+
+    class Malformed:
+        """A message lsprotocol could not read: wrong "jsonrpc", missing or mistyped fields,
+        negative positions. ``reason`` names the fields (JSON paths), never their values."""
+
+        def __init__(self, data: dict[str, Any], reason: str, code: int) -> None:
+            method, msg_id = data.get("method"), data.get("id")
+            self.method = method if isinstance(method, str) else None
+            self.id = msg_id if isinstance(msg_id, (int, str)) and not isinstance(msg_id, bool) else None
+            self.is_request = "id" in data and "method" in data
+            self.reason = reason
+            self.code = code
+
+    _initialize_seen = False
+
+    def structure_message(self, data: dict[str, Any]) -> Any:
+        if "jsonrpc" not in data:
+            return data  # a nested object, or a message without "jsonrpc" (handle_message answers it)
+        if data.get("jsonrpc") != "2.0":
+            return EmberProtocol.Malformed(data, 'invalid request: "jsonrpc" must be "2.0"', -32600)
+        if not isinstance(data.get("method", ""), str) or ("id" in data and not isinstance(data["id"], (int, str))):
+            return EmberProtocol.Malformed(data, "invalid request: method must be a string, id a number or string", -32600)
+        try:
+            return super().structure_message(data)
+        except Exception as exc:  # noqa: BLE001 - answered as -32602 instead of killing the message
+            import cattrs
+
+            if "method" in data and "params" not in data:
+                try:  # JSON-RPC lets a request or notification omit params (pygls does not)
+                    return super().structure_message({**data, "params": None})
+                except Exception:  # noqa: BLE001 - the method needs params: report the first error
+                    pass
+
+            cause = exc.__cause__ or exc
+            if isinstance(cause, cattrs.BaseValidationError):
+
+                def describe(error: BaseException, _type: Any = None) -> str:
+                    if isinstance(error, KeyError):
+                        return "required field missing"
+                    return f"invalid value ({str(error)[:120]})"
+
+                reason = "; ".join(cattrs.transform_error(cause, format_exception=describe))
+            else:
+                reason = str(cause)[:200]
+            return EmberProtocol.Malformed(data, f"invalid params for {data.get('method')}: {reason}", -32602)
+
     def handle_message(self, message: Any) -> None:
         """Before a valid token (TCP servers that need one) only initialize and exit are read."""
         server: EmberServer = self._server  # type: ignore[assignment]
+        if isinstance(message, dict):  # pygls leaves a message without "jsonrpc" unstructured
+            message = EmberProtocol.Malformed(message, 'invalid request: "jsonrpc": "2.0" is missing', -32600)
         method = getattr(message, "method", None)
         if not server.authorized and method not in (types.INITIALIZE, types.EXIT):
             log.warning("dropped %s from an unauthorized connection", method)
@@ -111,17 +214,62 @@ class EmberProtocol(LanguageServerProtocol):
                 self.writer.close()
             server.on_exit()
             return
+        is_request = method is not None and hasattr(message, "id")
+        if isinstance(message, EmberProtocol.Malformed):
+            if message.is_request:  # JSON-RPC: "id": null when the id itself is unusable
+                error = {"code": message.code, "message": f"ember: {message.reason}"}
+                self._send_data({"jsonrpc": "2.0", "id": message.id, "error": error})
+            else:
+                log.warning("ignored a malformed %s message: %s", message.method or "JSON-RPC", message.reason)
+            return
+        if not self._initialize_seen and method not in (types.INITIALIZE, types.EXIT, None):
+            if is_request:
+                error = JsonRpcException(f"ember: {method} before initialize; send initialize first", -32002)
+                self._send_response(message.id, error=error.to_response_error())
+            else:
+                log.warning("dropped %s: it arrived before initialize", method)
+            return
+        if method == types.INITIALIZE:
+            self._initialize_seen = True
+        if self._shutdown and is_request and method != types.EXIT:
+            error = JsonRpcException(f"ember: {method} after shutdown; only exit is accepted", -32600)
+            self._send_response(message.id, error=error.to_response_error())
+            return
         super().handle_message(message)
+
+    # ember keeps its own documents (context.document.Document). pygls' built-in handlers would also
+    # keep a second copy in its workspace, re-split into lines on every change, and raise (so that
+    # ember's handler never runs) on a didChange for an unknown URI: go straight to ember's handlers.
+
+    def _user_handler(self, method: str, params: Any):
+        if (handler := self.fm.features.get(method)) is not None:
+            yield handler, (params,), None
+
+    @lsp_method(types.TEXT_DOCUMENT_DID_OPEN)
+    def lsp_text_document__did_open(self, params: types.DidOpenTextDocumentParams):
+        yield from self._user_handler(types.TEXT_DOCUMENT_DID_OPEN, params)
+
+    @lsp_method(types.TEXT_DOCUMENT_DID_CHANGE)
+    def lsp_text_document__did_change(self, params: types.DidChangeTextDocumentParams):
+        yield from self._user_handler(types.TEXT_DOCUMENT_DID_CHANGE, params)
+
+    @lsp_method(types.TEXT_DOCUMENT_DID_CLOSE)
+    def lsp_text_document__did_close(self, params: types.DidCloseTextDocumentParams):
+        yield from self._user_handler(types.TEXT_DOCUMENT_DID_CLOSE, params)
 
     @lsp_method(types.EXIT)
     def lsp_exit(self, *args: Any):
         """Ends this connection; over stdio it also stops the engine and ends the process."""
         server: EmberServer = self._server  # type: ignore[assignment]
-        server.on_exit()
         if server.exit_process:
+            # Not on_exit(): stopping the reader would end serve_stdio, whose own close_and_exit(0)
+            # would race this one (LSP: exit code 1 without a shutdown before it).
+            server.cancel_work()
             asyncio.ensure_future(close_and_exit(server.core, 0 if self._shutdown else 1))
-        elif self.writer is not None:
-            self.writer.close()
+        else:
+            server.on_exit()
+            if self.writer is not None:
+                self.writer.close()
         yield from ()
 
 
@@ -149,12 +297,17 @@ class EmberServer(LanguageServer):
         self.exit_process = exit_process
         self.authorized = token is None
         self._warmups: dict[str, asyncio.Task[Any]] = {}
+        self._snippets: tuple[Any, tuple[Snippet, ...]] = (None, ())
         self._messages_shown: set[str] = set()
 
-    def on_exit(self) -> None:
+    def cancel_work(self) -> None:
+        """Stops this session's generations and warm-ups (shutdown); the session still reads exit."""
         self.core.completer.cancel_all(id(self))
         for task in self._warmups.values():
             task.cancel()
+
+    def on_exit(self) -> None:
+        self.cancel_work()
         if self._stop_event is not None:
             self._stop_event.set()
 
@@ -211,14 +364,16 @@ class EmberServer(LanguageServer):
         self._warmups[doc.uri] = asyncio.ensure_future(later())
 
     def other_files(self, current: Document) -> tuple[Snippet, ...]:
-        """Snippets from the other open documents of the same language, in a stable order."""
-        if not self.settings.cross_file:
+        """Context from the other open documents (what the current file imports first), in a
+        stable order so that it stays in the engine's prefix cache."""
+        if not self.settings.cross_file or len(self.documents) < 2:
             return ()
-        return tuple(
-            Snippet(uri.rsplit("/", 1)[-1], doc.text[:2000])
-            for uri, doc in sorted(self.documents.items())
-            if uri != current.uri and doc.language_id == current.language_id
-        )
+        others = tuple((uri, doc.version) for uri, doc in self.documents.items() if uri != current.uri)
+        key = (current.uri, others, import_lines(current.text))
+        if self._snippets[0] != key:
+            texts = [(uri, self.documents[uri].text[:SNIPPET_SOURCE_CHARS]) for uri, _ in others]
+            self._snippets = (key, select_snippets(current.text, current.language_id, texts, SNIPPET_CHARS))
+        return self._snippets[1]
 
     # ------------------------------------------------------------------ completion
 
@@ -242,17 +397,35 @@ class EmberServer(LanguageServer):
         return result.text
 
 
-def completion_item(text: str, position: types.Position) -> types.CompletionItem:
+_WORD_TAIL = re.compile(r"[A-Za-z0-9_$]+$")
+
+
+def word_before(ls: EmberServer, uri: str, position: types.Position) -> str:
+    """The identifier the user is typing at the cursor (ASCII, so its length is the same in every
+    position encoding)."""
+    doc = ls.documents.get(uri)
+    if doc is None or not 0 <= position.line < doc.line_count:
+        return ""
+    line, character = ls.to_utf16(doc, position.line, position.character)
+    start = doc.offset_at(line, 0)
+    match = _WORD_TAIL.search(doc.text[start : doc.offset_at(line, character, clamp=True)])
+    return match.group(0) if match else ""
+
+
+def completion_item(text: str, position: types.Position, word: str = "") -> types.CompletionItem:
+    """Replaces the word being typed with itself plus the generated text: clients filter items by
+    the word at the cursor, and would drop an item that does not start with it."""
     first_line = text.split("\n", 1)[0].strip() or text.strip()
+    start = types.Position(line=position.line, character=position.character - len(word))
     return types.CompletionItem(
-        label=first_line[:80],
+        label=(word + first_line)[:80],
         kind=types.CompletionItemKind.Text,
         detail="ember",
-        insert_text=text,
+        insert_text=word + text,
         insert_text_format=types.InsertTextFormat.PlainText,
-        text_edit=types.TextEdit(range=types.Range(start=position, end=position), new_text=text),
+        text_edit=types.TextEdit(range=types.Range(start=start, end=position), new_text=word + text),
         sort_text="0",
-        filter_text=first_line or text,
+        filter_text=word + (first_line or text),
     )
 
 
@@ -286,7 +459,7 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
 
     @server.feature(types.SHUTDOWN)
     def shutdown(ls: EmberServer, params: Any) -> None:
-        ls.on_exit()
+        ls.cancel_work()
 
     @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: EmberServer, params: types.DidOpenTextDocumentParams) -> None:
@@ -300,6 +473,13 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         if doc is None:
             log.warning("didChange for unknown document %s ignored", params.text_document.uri)
             return
+        if params.text_document.version <= doc.version:
+            # Changes arrive in order over one connection, so they still describe the editor's
+            # text: apply them (dropping them would leave ember out of sync for good).
+            log.warning(
+                "didChange for %s has version %d, not above %d; applied in the order received",
+                params.text_document.uri, params.text_document.version, doc.version,
+            )
         for change in params.content_changes:
             if isinstance(change, types.TextDocumentContentChangePartial):
                 start = ls.to_utf16(doc, change.range.start.line, change.range.start.character)
@@ -339,13 +519,14 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
     async def completion(ls: EmberServer, params: types.CompletionParams) -> types.CompletionList:
         """One item that inserts the generated text at the cursor (Helix and older clients)."""
         token = params.partial_result_token
+        word = word_before(ls, params.text_document.uri, params.position)
 
         def on_text(text: str) -> None:
             if token is not None and text:
-                ls.progress(types.ProgressParams(token=token, value=[completion_item(text, params.position)]))
+                ls.progress(types.ProgressParams(token=token, value=[completion_item(text, params.position, word)]))
 
         text = await ls.complete(params.text_document.uri, params.position, on_text)
-        items = [completion_item(text, params.position)] if text else []
+        items = [completion_item(text, params.position, word)] if text else []
         return types.CompletionList(is_incomplete=True, items=items)
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
@@ -367,6 +548,8 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
             "ready": core.ready,
             "error": core.engine_error,
             "model": core.engine.model.name if core.ready and core.engine else None,
+            "restarts": core.restarts,
+            "restarting": core.restarting,
         }
         engine_stats = getattr(core.engine, "engine_stats", None)
         if callable(engine_stats):

@@ -132,14 +132,14 @@ def test_vscode_protocol_inline_completion(tmp_path: Path) -> None:
     node = shutil.which("node")
     assert node
     proc = subprocess.Popen(
-        [node, str(VSCODE / "out/smoke/inline.js"), ember_executable(), str(src), str(out), "240"],
+        [node, str(VSCODE / "out/smoke/inline.js"), ember_executable(), str(src), str(out), "360"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
-        output, _ = proc.communicate(timeout=360)
+        output, _ = proc.communicate(timeout=480)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -150,8 +150,8 @@ def test_vscode_protocol_inline_completion(tmp_path: Path) -> None:
     assert "error" not in r, (r.get("error"), r.get("stream_errors"), r.get("stderr_tail"))
     assert r["command"][1] == "--stdio" and "--max-tokens" in r["command"]
     caps = r["capabilities"]
-    assert caps.get("inlineCompletionProvider"), caps
-    assert caps.get("completionProvider"), caps
+    assert caps.get("inlineCompletionProvider") is not None, caps  # {} is a valid value
+    assert caps.get("completionProvider") is not None, caps
     assert r["inline_items"], (r["attempts"], r.get("stderr_tail"))
     item = r["inline_items"][0]
     text = item["insertText"] if isinstance(item["insertText"], str) else item["insertText"]["value"]

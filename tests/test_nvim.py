@@ -110,6 +110,8 @@ def isolated_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     server_env = {
         "HOME": real_home,
         "XDG_CACHE_HOME": env.get("XDG_CACHE_HOME") or str(Path(real_home) / ".cache"),
+        # Marks the servers this test starts (see kill_tagged).
+        "EMBER_E2E_TAG": f"{os.getpid()}-{tmp_path.name}-{time.monotonic_ns()}",
     }
     home = tmp_path / "home"
     for sub in ("config", "data", "state", "cache"):
@@ -127,6 +129,24 @@ def isolated_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env.pop("VIMINIT", None)
     env.update(extra)
     return env
+
+
+def kill_tagged(tag: str) -> None:
+    """Kill the processes started with EMBER_E2E_TAG=tag. Neovim >= 0.10 starts language servers
+    detached (a session of their own), so killing Neovim's process group does not reach them."""
+    needle = f"EMBER_E2E_TAG={tag}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def run_nvim(binary: str, driver: Path, tmp_path: Path, env: dict[str, str], timeout: float) -> dict:
@@ -155,11 +175,12 @@ def run_nvim(binary: str, driver: Path, tmp_path: Path, env: dict[str, str], tim
         output, _ = proc.communicate()
         pytest.fail(f"nvim did not finish in {timeout} s; output:\n{output.decode(errors='replace')[-4000:]}")
     finally:
-        # nvim's children (ember and the engine's processes) share its process group.
+        # nvim's children share its process group; the servers it started carry the tag.
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        kill_tagged(json.loads(env["EMBER_E2E_SERVER_ENV"])["EMBER_E2E_TAG"])
     text = output.decode(errors="replace")
     assert out.exists(), f"nvim exited {proc.returncode} without writing {out}; output:\n{text[-4000:]}"
     result = json.loads(out.read_text())
@@ -272,10 +293,10 @@ def test_nvim_receives_ember_completion(which: str, tmp_path: Path) -> None:
         EMBER_E2E_OUT=str(tmp_path / "out.json"),
         EMBER_E2E_FILE=str(project(tmp_path)),
         EMBER_E2E_CMD=json.dumps(ember_command()),
-        EMBER_E2E_TIMEOUT="240",
+        EMBER_E2E_TIMEOUT="360",
         EMBER_E2E_TYPE=TYPED,
     )
-    r = run_nvim(binary, E2E_LUA, tmp_path, env, timeout=420)
+    r = run_nvim(binary, E2E_LUA, tmp_path, env, timeout=540)
     assert r["ok"], (r.get("error"), r.get("steps"), r["_output"])
     assert r["has_lsp_start"] == (tuple(map(int, r["nvim_version"].split("."))) >= (0, 8, 0))
     assert r["client_name"] == "ember" and r["client_count"] == 1

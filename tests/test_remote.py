@@ -669,6 +669,58 @@ async def test_stream_equals_embedded_engine(vllm_pair: Pair) -> None:
     assert got[0].last.finish_reason == "length" and got[0].tokens == 16
 
 
+@pytest.mark.slow
+async def test_lsp_through_engine_url_matches_the_embedded_server(vllm_pair: Pair, client, sample_text) -> None:
+    """The whole path: ember --engine-url over LSP gives the same text as ember on its embedded
+    engine (the session's server) for the same document, and a small edit reuses the server's
+    prefix cache."""
+    from lsprotocol import types
+    from pygls.lsp.client import LanguageClient
+
+    from tests.conftest import wait_ready
+    from tests.test_server import inline, open_doc, type_text
+
+    uri = "file:///work/remote_same.py"
+    text = sample_text + "\n\ndef most_expensive(inventory: Inventory) -> Item:\n    return "
+    line, character = text.count("\n"), len(text.rsplit("\n", 1)[1])
+    options = {"maxTokens": 16, "crossFile": False, "reuse": False, "warmup": False}
+
+    await wait_ready(client)
+    client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings={"ember": options}))
+    open_doc(client, uri, text)
+    embedded = [item.insert_text for item in await inline(client, uri, line, character)]
+    client.workspace_did_change_configuration(
+        types.DidChangeConfigurationParams(settings={"ember": {"maxTokens": 24, "crossFile": True, "reuse": True, "warmup": True}})
+    )
+    assert embedded and embedded[0].strip()
+
+    await vllm_pair.a.wait_ready()
+    remote_client = LanguageClient("remote-test", "1")
+    await remote_client.start_io(
+        sys.executable, "-m", "lsp", "--stdio", "--engine-url", f"{vllm_pair.a.url}/v1", "--model", SERVED_NAME
+    )
+    try:
+        await remote_client.initialize_async(
+            types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options)
+        )
+        remote_client.initialized(types.InitializedParams())
+        await wait_ready(remote_client, timeout=60)
+        open_doc(remote_client, uri, text)
+        assert [item.insert_text for item in await inline(remote_client, uri, line, character)] == embedded
+
+        hits_before = await prefix_cache_hits(vllm_pair.a.url)
+        type_text(remote_client, uri, line, character, "s", version=1)
+        assert await inline(remote_client, uri, line, character + 1) is not None
+        hits_after = await prefix_cache_hits(vllm_pair.a.url)
+        assert hits_after is not None and hits_before is not None
+        assert hits_after - hits_before >= 32 * 4, (hits_before, hits_after)  # most of the prompt came from the cache
+    finally:
+        await remote_client.shutdown_async(None)
+        remote_client.exit(None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(remote_client.stop(), 15)
+
+
 def long_prefix() -> str:
     header = f"# module {uuid.uuid4().hex}: unique, so nothing of it is cached yet\nimport math\n\n"
     body = "".join(f"def helper_{i}(x, y):\n    return x * {i} + math.sqrt(y) - {i * 3}\n\n" for i in range(24))

@@ -224,11 +224,13 @@ local function on_attach(client, bufnr)
   if use_inline and has_inline() then
     vim.lsp.inline_completion.enable(true, { bufnr = bufnr })
     if cfg.accept_key then
+      -- Not an <expr> mapping: accepting edits the buffer, which <expr> mappings may not do.
+      local key = vim.api.nvim_replace_termcodes(cfg.accept_key, true, false, true)
       vim.keymap.set('i', cfg.accept_key, function()
-        if not vim.lsp.inline_completion.get() then
-          return cfg.accept_key
+        if not vim.lsp.inline_completion.get({ bufnr = bufnr }) then
+          vim.api.nvim_feedkeys(key, 'n', false) -- nothing to accept: the key's usual meaning
         end
-      end, { expr = true, buffer = bufnr, replace_keycodes = true, desc = 'ember: accept inline completion' })
+      end, { buffer = bufnr, desc = 'ember: accept inline completion' })
     end
   elseif cfg.omnifunc then
     vim.bo[bufnr].omnifunc = 'v:lua.vim.lsp.omnifunc'
