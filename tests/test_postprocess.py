@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from context.postprocess import completion_mode, find_stop, postprocess, syntax_ok
 
 CURSOR = "█"
-EVAL = Path("/work/shared/eval")
+EVAL = Path(__file__).resolve().parents[2] / "shared" / "eval"  # ../shared beside the checkout
 
 
 def split(doc: str) -> tuple[str, str]:
