@@ -119,8 +119,11 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / ".complete").write_text(str(gguf))
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
+        if (target / ".complete").is_file():  # another process converted it meanwhile: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelResolutionError(f"could not convert {gguf} to safetensors: {exc}") from exc
