@@ -6,12 +6,14 @@ The order matters for the first test: it runs while the model is still loading.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException
+from pygls.lsp.client import LanguageClient
 
-from tests.conftest import stats, wait_ready
+from tests.conftest import client_capabilities, stats, wait_ready
 
 URI = "file:///work/inventory.py"
 
@@ -79,14 +81,22 @@ async def test_initialize_advertises_both_providers(client):
     assert caps.text_document_sync.change == types.TextDocumentSyncKind.Incremental
 
 
-async def test_requests_while_loading_get_an_empty_result(client, sample_text):
-    open_doc(client, "file:///work/loading.py", sample_text)
-    assert not (await stats(client))["engine"]["ready"], "the model loaded before this test could run"
-    assert await inline(client, "file:///work/loading.py", 10, 4) == []
-    assert await complete(client, "file:///work/loading.py", 10, 4) == []
-    client.text_document_did_close(
-        types.DidCloseTextDocumentParams(text_document=types.TextDocumentIdentifier(uri="file:///work/loading.py"))
-    )
+async def test_requests_while_loading_get_an_empty_result(sample_text):
+    """A fresh server of its own: the shared one may have loaded already."""
+    fresh = LanguageClient("loading-test", "1")
+    await fresh.start_io(sys.executable, "-m", "lsp", "--stdio", "--max-tokens", "8")
+    try:
+        await fresh.initialize_async(types.InitializeParams(capabilities=client_capabilities()))
+        fresh.initialized(types.InitializedParams())
+        open_doc(fresh, "file:///work/loading.py", sample_text)
+        assert await inline(fresh, "file:///work/loading.py", 10, 4) == []
+        assert await complete(fresh, "file:///work/loading.py", 10, 4) == []
+        # Still loading afterwards: the empty answers were given while the model loaded.
+        assert not (await stats(fresh))["engine"]["ready"], "the model loaded before the requests"
+    finally:
+        await fresh.shutdown_async(None)
+        fresh.exit(None)
+        await asyncio.wait_for(fresh.stop(), 30)
 
 
 async def test_unknown_document_is_a_clear_error_and_the_server_keeps_serving(client):
