@@ -159,7 +159,7 @@ class EmberProtocol(LanguageServerProtocol):
 
     class Malformed:
         """A message lsprotocol could not read: wrong "jsonrpc", missing or mistyped fields,
-        negative positions. ``reason`` names the fields (JSON paths), never their values."""
+        negative positions. ``reason`` names the fields (JSON paths) and briefly what is wrong."""
 
         def __init__(self, data: dict[str, Any], reason: str, code: int) -> None:
             method, msg_id = data.get("method"), data.get("id")
