@@ -1,0 +1,891 @@
+"""Completion quality of ember, measured through its real LSP server over stdio.
+
+    .venv/bin/python bench/quality.py --limit 150 --strategy ast --strategy naive
+    .venv/bin/python bench/quality.py --model qwen-coder --limit 100
+    .venv/bin/python bench/quality.py --no-dev --repo-cuts --limit 60
+
+Each case (a jsonl line with id/source/language/prefix/suffix/middle, like
+/work/shared/eval/*.jsonl) is opened as a document holding ``prefix + suffix`` with the right
+languageId and extension, completed with ``textDocument/inlineCompletion`` at the cursor, then
+closed. The completion is compared with ``middle``:
+
+* ``exact_line``: the first non-blank lines are equal (trailing whitespace ignored);
+* ``exact``: the whole texts are equal (line endings and trailing whitespace ignored);
+* ``edit_sim``: 1 - Levenshtein / max length over the whole (normalized) texts;
+* ``syntax_ok``: :func:`context.postprocess.syntax_ok` (no new tree-sitter ERROR/MISSING node);
+  ``-`` for languages without a grammar (C# here), where it would say True for anything;
+* latency: the server's ``latency_ms`` for the request (``ember/stats`` ``last``), p50/p95.
+
+One server runs per prompt strategy (``--strategy`` repeated compares them on the same cases); the
+servers run side by side and take turns case by case, so that their latencies see the same load.
+``--repo-cuts`` adds cases cut from pinned releases of real projects (PyPI sdists of requests and
+flask, the npm tarball of express), like llm-ls's testbed: one line cut at its first non-blank
+character (``repo-line``), and multi-line function bodies (``repo-body``).
+
+Prints tables and writes bench/results/quality-<model>.json (per-case records included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lsprotocol import types
+from pygls.lsp.client import LanguageClient
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make `context` and `bench` importable
+    sys.path.insert(0, str(ROOT))
+
+from context.languages import grammar_for, normalize_language_id, parser_for  # noqa: E402
+from context.postprocess import syntax_ok  # noqa: E402
+
+EVAL = Path("/work/shared/eval")
+DEV_FILES = [EVAL / "humaneval_infilling_dev.jsonl", EVAL / "safim_dev.jsonl"]
+CACHE = ROOT / "bench" / ".cache"
+RESULTS = ROOT / "bench" / "results"
+SEED = 20240607
+READY_TIMEOUT_S = 900
+STOP = threading.Event()  # set by SIGTERM
+
+EXTENSIONS = {
+    "python": ".py",
+    "cpp": ".cpp",
+    "c": ".c",
+    "java": ".java",
+    "csharp": ".cs",
+    "javascript": ".js",
+    "typescript": ".ts",
+    "go": ".go",
+    "rust": ".rs",
+}
+
+# Pinned releases for --repo-cuts: (name, how to fetch, language, which files inside the archive).
+REPOS: list[tuple[str, str, str, str]] = [
+    ("requests", "pypi:requests==2.32.3", "python", r"^requests-2\.32\.3/src/requests/[^/]+\.py$"),
+    ("flask", "pypi:flask==3.0.3", "python", r"^flask-3\.0\.3/src/flask/[^/]+\.py$"),
+    ("express", "npm:express@4.19.2", "javascript", r"^package/(index|lib/.*)\.js$"),
+]
+
+
+@dataclass
+class Case:
+    id: str
+    source: str
+    language: str
+    prefix: str
+    suffix: str
+    middle: str
+    group: str = ""  # the input it came from (file stem or "repo-cuts"), for sampling and tables
+
+
+@dataclass
+class Record:
+    id: str
+    source: str
+    language: str
+    strategy: str
+    completion: str
+    exact_line: bool
+    exact: bool
+    edit_sim: float
+    syntax_ok: bool | None
+    latency_ms: float | None
+    ttft_ms: float | None
+    client_ms: float
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    streamed_tokens: int | None = None
+    cache_hit: bool | None = None
+    outcome: str | None = None
+    mode: str | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------- cases
+
+
+def load_cases(path: Path) -> list[Case]:
+    cases = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                d = json.loads(line)
+                cases.append(
+                    Case(d["id"], d["source"], d["language"], d["prefix"], d["suffix"], d["middle"], path.stem)
+                )
+    return cases
+
+
+def sample(cases: list[Case], limit: int | None, seed: int = SEED) -> list[Case]:
+    """``limit`` cases, stratified by source (proportional, largest remainder, at least one per
+    source when the limit allows), the same ones on every run: ids are sorted before shuffling."""
+    if limit is None or limit >= len(cases):
+        return cases
+    by_source: dict[str, list[Case]] = defaultdict(list)
+    for case in sorted(cases, key=lambda c: c.id):
+        by_source[case.source].append(case)
+    sources = sorted(by_source)
+    total = len(cases)
+    exact = {s: limit * len(by_source[s]) / total for s in sources}
+    counts = {s: int(exact[s]) for s in sources}
+    if limit >= len(sources):
+        for s in sources:
+            counts[s] = max(counts[s], 1)
+    for s in sorted(sources, key=lambda s: exact[s] - int(exact[s]), reverse=True):
+        if sum(counts.values()) >= limit:
+            break
+        counts[s] += 1
+    while sum(counts.values()) > limit:  # the "at least one" rule overshot: take from the biggest
+        biggest = max(sources, key=lambda s: counts[s])
+        counts[biggest] -= 1
+    picked: list[Case] = []
+    for s in sources:
+        pool = list(by_source[s])
+        random.Random(f"{seed}:{s}").shuffle(pool)
+        picked.extend(pool[: counts[s]])
+    return picked
+
+
+# ------------------------------------------------------------------------------------ repo cuts
+
+
+def fetch_repo(spec: str, dest: Path) -> Path:
+    """The release archive of ``pypi:name==version`` (sdist, via pip) or ``npm:name@version``
+    (via npm pack), downloaded once into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    kind, _, what = spec.partition(":")
+    if kind == "pypi":
+        name, version = what.split("==")
+        found = [p for p in dest.glob(f"{name}-{version}.tar.gz")]
+        if not found:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+                 "-d", str(dest), what],
+                check=True,
+            )
+            found = [p for p in dest.glob(f"{name}-{version}.tar.gz")]
+    elif kind == "npm":
+        name, version = what.rsplit("@", 1)
+        found = [p for p in dest.glob(f"{name}-{version}.tgz")]
+        if not found:
+            subprocess.run(["npm", "pack", "--silent", what], cwd=dest, check=True, stdout=subprocess.DEVNULL)
+            found = [p for p in dest.glob(f"{name}-{version}.tgz")]
+    else:
+        raise ValueError(f"unknown repo spec {spec!r}")
+    if not found:
+        raise RuntimeError(f"could not fetch {spec}")
+    return found[0]
+
+
+def archive_sources(archive: Path, pattern: str, max_bytes: int = 100_000) -> Iterator[tuple[str, str]]:
+    """(path, text) of the matching files of a .tar.gz/.tgz, in name order."""
+    regex = re.compile(pattern)
+    with tarfile.open(archive) as tar:
+        members = sorted((m for m in tar.getmembers() if m.isfile() and regex.search(m.name)), key=lambda m: m.name)
+        for member in members:
+            if member.size > max_bytes:
+                continue
+            handle = tar.extractfile(member)
+            if handle is None:
+                continue
+            try:
+                yield member.name, handle.read().decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+
+
+_FUNCTIONS = {
+    "python": {"function_definition"},
+    "javascript": {
+        "function_declaration", "function_expression", "function", "method_definition",
+        "arrow_function", "generator_function_declaration", "generator_function",
+    },
+}
+_SKIP_LINE = re.compile(r"^(?:#|//|/\*|\*|[)\]}]+[;,)]*$|else\b|\"\"\"|''')")
+
+
+def _in_string_or_comment(node: Any) -> bool:
+    while node is not None:
+        if "string" in node.type or "comment" in node.type or node.type == "template_string":
+            return True
+        node = node.parent
+    return False
+
+
+def _walk(node: Any) -> Iterator[Any]:
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        stack.extend(reversed(current.children))
+
+
+def cut_lines(path: str, text: str, language: str) -> list[Case]:
+    """Every code line as a case: cursor after its indentation, the rest of the line is the middle."""
+    parser = parser_for(language)
+    data = text.encode("utf-8")
+    tree = parser.parse(data) if parser else None
+    cases = []
+    offset = 0
+    for row, line in enumerate(text.split("\n")):
+        start = offset
+        offset += len(line) + 1
+        stripped = line.strip()
+        if not (6 <= len(stripped) <= 100) or _SKIP_LINE.match(stripped):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if tree is not None:
+            column = len(line[:indent].encode("utf-8"))
+            node = tree.root_node.descendant_for_point_range((row, column), (row, column))
+            if _in_string_or_comment(node):
+                continue
+        cursor = start + indent
+        cases.append(
+            Case(
+                id=f"{path}:L{row + 1}:line",
+                source="repo-line",
+                language=language,
+                prefix=text[:cursor],
+                suffix=text[cursor + len(line.rstrip()) - indent :],
+                middle=line.rstrip()[indent:],
+                group="repo-cuts",
+            )
+        )
+    return cases
+
+
+def cut_bodies(path: str, text: str, language: str, min_lines: int = 2, max_lines: int = 12) -> list[Case]:
+    """Function bodies of ``min_lines``..``max_lines`` lines as cases: the cursor at the first
+    statement (after the docstring in Python), the middle up to the end of the last statement's line."""
+    parser = parser_for(language)
+    if parser is None:
+        return []
+    data = text.encode("utf-8")
+    tree = parser.parse(data)
+    cases = []
+    for node in _walk(tree.root_node):
+        if node.type not in _FUNCTIONS.get(language, ()):
+            continue
+        body = node.child_by_field_name("body")
+        if body is None or body.type not in ("block", "statement_block"):
+            continue
+        statements = [c for c in body.named_children]
+        if language == "python" and statements and _is_docstring(statements[0]):
+            statements = statements[1:]
+        if not statements or statements[0].start_point[0] <= node.start_point[0]:
+            continue  # empty, or the body starts on the header's line
+        if language == "python" and any(c.type == "comment" for c in statements[:1]):
+            continue
+        first, last = statements[0], statements[-1]
+        end = data.find(b"\n", last.end_byte)
+        end = len(data) if end < 0 else end
+        lines = data[first.start_byte : end].count(b"\n") + 1
+        if not (min_lines <= lines <= max_lines):
+            continue
+        # The cursor sits where the editor's auto-indent leaves it: after the first line's indent.
+        prefix = data[: first.start_byte].decode("utf-8")
+        cases.append(
+            Case(
+                id=f"{path}:L{first.start_point[0] + 1}:body",
+                source="repo-body",
+                language=language,
+                prefix=prefix,
+                suffix=data[end:].decode("utf-8"),
+                middle=data[first.start_byte : end].decode("utf-8"),
+                group="repo-cuts",
+            )
+        )
+    return cases
+
+
+def _is_docstring(node: Any) -> bool:
+    return node.type == "expression_statement" and node.named_child_count == 1 and node.named_children[0].type == "string"
+
+
+def repo_cases(per_repo: int, seed: int = SEED) -> tuple[list[Case], list[str]]:
+    """``per_repo`` line cuts and ``per_repo`` body cuts from each pinned release (fixed seed)."""
+    cases: list[Case] = []
+    used: list[str] = []
+    for name, spec, language, pattern in REPOS:
+        archive = fetch_repo(spec, CACHE / "repos")
+        used.append(spec)
+        lines: list[Case] = []
+        bodies: list[Case] = []
+        for path, text in archive_sources(archive, pattern):
+            short = f"{name}/{path.split('/', 1)[1]}"
+            lines.extend(cut_lines(short, text, language))
+            bodies.extend(cut_bodies(short, text, language))
+        for pool in (lines, bodies):
+            random.Random(f"{seed}:{name}:{pool[0].source if pool else ''}").shuffle(pool)
+            cases.extend(pool[:per_repo])
+    return cases, used
+
+
+# ------------------------------------------------------------------------------------- metrics
+
+
+def normalize(text: str) -> str:
+    """Line endings unified, trailing whitespace of every line and of the whole text dropped."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return "\n".join(line.rstrip() for line in text.split("\n")).rstrip()
+
+
+def first_line(text: str) -> str:
+    for line in normalize(text).split("\n"):
+        if line.strip():
+            return line
+    return ""
+
+
+def levenshtein(a: str, b: str) -> int:
+    if a == b:
+        return 0
+    if len(a) < len(b):
+        a, b = b, a
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def edit_similarity(a: str, b: str) -> float:
+    a, b = normalize(a), normalize(b)
+    longest = max(len(a), len(b))
+    return 1.0 if longest == 0 else 1.0 - levenshtein(a, b) / longest
+
+
+def has_grammar(language: str) -> bool:
+    return grammar_for(normalize_language_id(language)) is not None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def lsp_position(prefix: str) -> types.Position:
+    """Where the cursor is: lines split at \\r\\n, \\r and \\n (LSP); characters in UTF-16 units."""
+    parts = re.split(r"\r\n|\r|\n", prefix)
+    last = parts[-1]
+    return types.Position(line=len(parts) - 1, character=len(last.encode("utf-16-le", "surrogatepass")) // 2)
+
+
+def score(case: Case, completion: str, strategy: str, last: dict[str, Any], client_ms: float, error: str | None) -> Record:
+    return Record(
+        id=case.id,
+        source=case.source,
+        language=case.language,
+        strategy=strategy,
+        completion=completion,
+        exact_line=first_line(completion) == first_line(case.middle),
+        exact=normalize(completion) == normalize(case.middle),
+        edit_sim=edit_similarity(completion, case.middle),
+        syntax_ok=syntax_ok(case.prefix, completion, case.suffix, case.language) if has_grammar(case.language) else None,
+        latency_ms=last.get("latency_ms"),
+        ttft_ms=last.get("ttft_ms"),
+        client_ms=client_ms,
+        prompt_tokens=last.get("prompt_tokens"),
+        cached_tokens=last.get("cached_tokens"),
+        streamed_tokens=last.get("streamed_tokens"),
+        cache_hit=last.get("cache_hit"),
+        outcome=last.get("outcome"),
+        mode=last.get("mode"),
+        error=error,
+    )
+
+
+def summarize(records: list[Record]) -> dict[str, Any]:
+    n = len(records)
+    syntax = [r.syntax_ok for r in records if r.syntax_ok is not None]
+    latencies = [r.latency_ms for r in records if r.latency_ms is not None]
+    outcomes: dict[str, int] = defaultdict(int)
+    for r in records:
+        outcomes[r.error and "client-error" or r.outcome or "unknown"] += 1
+    return {
+        "n": n,
+        "exact_line": sum(r.exact_line for r in records) / n if n else None,
+        "exact": sum(r.exact for r in records) / n if n else None,
+        "edit_sim": sum(r.edit_sim for r in records) / n if n else None,
+        "syntax_ok": sum(syntax) / len(syntax) if syntax else None,
+        "empty": sum(not r.completion.strip() for r in records) / n if n else None,
+        "latency_p50_ms": percentile(latencies, 0.5),
+        "latency_p95_ms": percentile(latencies, 0.95),
+        "outcomes": dict(outcomes),
+    }
+
+
+def groups(records: list[Record]) -> dict[str, list[Record]]:
+    """Per source+language, per source, and all."""
+    out: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        out[f"{r.source} / {r.language}"].append(r)
+    by_source: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        by_source[r.source].append(r)
+    for source, rs in by_source.items():
+        if len({r.language for r in rs}) > 1:
+            out[f"{source} / all"] = rs
+    out["ALL"] = list(records)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] == "ALL", kv[0])))
+
+
+# ---------------------------------------------------------------------------------- the server
+
+
+def plain(value: Any) -> Any:
+    """pygls hands custom results back as namedtuples."""
+    if hasattr(value, "_asdict"):
+        return {k: plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+class Server:
+    """One ember process over stdio with the given initializationOptions."""
+
+    def __init__(self, model_path: str | None, options: dict[str, Any], log_path: Path) -> None:
+        self.model_path = model_path
+        self.options = options
+        self.log_path = log_path
+        self.client = LanguageClient("ember-quality", "0.1")
+        self.messages: list[str] = []
+        self._drain: asyncio.Task[None] | None = None
+
+    async def start(self) -> float:
+        command = [sys.executable, "-m", "lsp", "--stdio", "--log-level", "WARNING"]
+        if self.model_path:
+            command += ["--model", self.model_path]
+
+        @self.client.feature(types.WINDOW_SHOW_MESSAGE)
+        def show_message(params: types.ShowMessageParams) -> None:
+            self.messages.append(params.message)
+
+        started = time.perf_counter()
+        await self.client.start_io(*command, cwd=str(ROOT))
+        # The server's stderr is a pipe nobody else reads: drain it to a file, or vLLM's start-up
+        # logging fills it and blocks the server.
+        self._drain = asyncio.create_task(self._drain_stderr())
+        await self.client.initialize_async(
+            types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=self.options)
+        )
+        self.client.initialized(types.InitializedParams())
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            engine = (await self.stats())["engine"]
+            if engine["ready"]:
+                break
+            if engine["error"]:
+                raise RuntimeError(f"engine failed to start: {engine['error']} (log: {self.log_path})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine not ready after {READY_TIMEOUT_S} s (log: {self.log_path})")
+            await asyncio.sleep(0.5)
+        config_errors = [m for m in self.messages if "initializationOptions" in m]
+        if config_errors:
+            raise RuntimeError(f"the server refused the settings: {config_errors[0]}")
+        return time.perf_counter() - started
+
+    async def _drain_stderr(self) -> None:
+        stream = self.client._server.stderr if self.client._server else None
+        if stream is None:
+            return
+        with self.log_path.open("wb") as log:
+            while chunk := await stream.read(65536):
+                log.write(chunk)
+                log.flush()
+
+    async def stats(self) -> dict[str, Any]:
+        return plain(await self.client.protocol.send_request_async("ember/stats", {}))
+
+    async def complete(self, case: Case, uri: str, timeout_s: float) -> tuple[str, dict[str, Any], float, str | None]:
+        """(completion, the server's metrics for it, client-side ms, error)."""
+        language = normalize_language_id(case.language)
+        self.client.text_document_did_open(
+            types.DidOpenTextDocumentParams(
+                types.TextDocumentItem(uri=uri, language_id=language, version=1, text=case.prefix + case.suffix)
+            )
+        )
+        before = (await self.stats())["requests"]
+        t0 = time.perf_counter()
+        error = None
+        completion = ""
+        try:
+            reply = await asyncio.wait_for(
+                self.client.text_document_inline_completion_async(
+                    types.InlineCompletionParams(
+                        text_document=types.TextDocumentIdentifier(uri=uri),
+                        position=lsp_position(case.prefix),
+                        context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked),
+                    )
+                ),
+                timeout_s,
+            )
+            if reply and reply.items:
+                text = reply.items[0].insert_text
+                completion = text if isinstance(text, str) else text.value
+        except Exception as exc:  # a failing case is a data point, not the end of the run
+            error = f"{type(exc).__name__}: {exc}"
+        client_ms = (time.perf_counter() - t0) * 1000
+        stats = await self.stats()
+        # `last` is only this request's when the server recorded it (a "loading" reply is not).
+        last = stats.get("last") or {} if stats["requests"] > before else {}
+        self.client.text_document_did_close(
+            types.DidCloseTextDocumentParams(text_document=types.TextDocumentIdentifier(uri=uri))
+        )
+        return completion, last, client_ms, error
+
+    async def stop(self) -> None:
+        """shutdown/exit; then SIGTERM (ember closes its engine on it); SIGKILL as the last resort."""
+        process = self.client._server
+        try:
+            await asyncio.wait_for(self.client.shutdown_async(None), 15)
+            self.client.exit(None)
+        except Exception:
+            pass
+        if process is not None:
+            for sig, wait_s in ((None, 15), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                if process.returncode is not None:
+                    break
+                if sig is not None:
+                    process.send_signal(sig)
+                try:
+                    await asyncio.wait_for(process.wait(), wait_s)
+                except asyncio.TimeoutError:
+                    continue
+        try:
+            await asyncio.wait_for(self.client.stop(), 10)
+        except Exception:
+            pass
+        if self._drain:
+            self._drain.cancel()
+
+
+def case_uri(case: Case, strategy: str, index: int) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", case.id)[-80:]
+    ext = EXTENSIONS.get(normalize_language_id(case.language), ".txt")
+    return f"file:///ember-bench/{strategy}/{index:05d}_{safe}{ext}"
+
+
+# ------------------------------------------------------------------------------------- reports
+
+
+def fmt(value: Any, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "pct":
+        return f"{100 * value:.1f}"
+    if kind == "ms":
+        return f"{value:.0f}"
+    return str(value)
+
+
+def table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Rows: group x strategy; columns: the metrics."""
+    header = ["group", "strategy", "n", "EM line%", "EM%", "ES%", "syntax%", "empty%", "p50 ms", "p95 ms"]
+    rows = [header]
+    strategies = list(summary)
+    names = list(next(iter(summary.values())).keys()) if summary else []
+    for name in names:
+        for strategy in strategies:
+            s = summary[strategy].get(name)
+            if not s:
+                continue
+            rows.append(
+                [
+                    name, strategy, str(s["n"]), fmt(s["exact_line"], "pct"), fmt(s["exact"], "pct"),
+                    fmt(s["edit_sim"], "pct"), fmt(s["syntax_ok"], "pct"), fmt(s["empty"], "pct"),
+                    fmt(s["latency_p50_ms"], "ms"), fmt(s["latency_p95_ms"], "ms"),
+                ]
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_results(path: Path, meta: dict[str, Any], records: dict[str, list[Record]], done: bool) -> None:
+    summary = {strategy: {name: summarize(rs) for name, rs in groups(recs).items()} for strategy, recs in records.items() if recs}
+    payload = {
+        **meta,
+        "complete": done,
+        "summary": summary,
+        "records": [asdict(r) for recs in records.values() for r in recs],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(path)
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def resolve(model: str | None) -> tuple[str, str | None]:
+    """(name for the results file, path for --model)."""
+    from bench import models
+
+    if model in (None, "smollm2"):
+        return "smollm2", str(models.smollm2())
+    if model == "qwen-coder":
+        return "qwen-coder", str(models.qwen_coder())
+    return Path(model).name.removesuffix(".gguf"), model
+
+
+def server_options(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+    """ember's initializationOptions for one strategy."""
+    options: dict[str, Any] = {
+        "maxTokens": args.max_tokens,
+        "timeoutMs": args.timeout_ms,
+        "promptStrategy": strategy,
+        "warmup": bool(args.warmup),
+        # Off by default: with a prefix-only model, cases that share a prefix would be answered
+        # from the completion cache, post-processed against another case's suffix.
+        "reuse": bool(args.reuse),
+    }
+    if args.context_tokens:
+        options["contextTokens"] = args.context_tokens
+    return options
+
+
+def naive_available() -> bool:
+    try:
+        from context.prompt import build_naive_prompt  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def earlier_records(out: Path, cases: list[Case], strategies: list[str], meta: dict[str, Any]) -> dict[str, list[Record]]:
+    """Records of other strategies from an earlier run on exactly these cases (``--merge``)."""
+    if not out.is_file():
+        return {}
+    old = json.loads(out.read_text())
+    ids = [c.id for c in cases]
+    kept: dict[str, list[Record]] = {}
+    for strategy in old.get("strategies", []):
+        if strategy in strategies:
+            continue
+        rows = [Record(**r) for r in old["records"] if r["strategy"] == strategy]
+        if [r.id for r in rows] != ids:
+            print(f"--merge: {out} has other cases for {strategy}; not merged", file=sys.stderr)
+            continue
+        kept[strategy] = rows
+        for key in ("load_s", "options"):
+            if strategy in old.get(key, {}):
+                meta.setdefault(key, {})[strategy] = old[key][strategy]
+        meta.setdefault("merged_commands", {})[strategy] = old.get("command")
+    meta["strategies"] = list(kept) + [s for s in strategies if s not in kept]
+    return kept
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", action="append", type=Path, help="jsonl file of cases (repeatable; default: the two dev files)")
+    parser.add_argument("--no-dev", action="store_true", help="leave out the default dev files")
+    parser.add_argument("--repo-cuts", action="store_true", help="add cases cut from requests, flask and express releases")
+    parser.add_argument("--repo-cases", type=int, default=20, help="line cuts and body cuts per repository (default 20 each)")
+    parser.add_argument("--limit", type=int, help="cases per input (each jsonl file; the repo cuts), stratified by source")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--model", help="smollm2 (default), qwen-coder, or a model folder / .gguf for ember --model")
+    parser.add_argument("--strategy", action="append", choices=["ast", "naive"], help="prompt strategy (repeat to compare)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--context-tokens", type=int, help="ember contextTokens (default: ember's)")
+    parser.add_argument("--timeout-ms", type=int, default=60000, help="ember timeoutMs (high: a slow CPU should not cut output)")
+    parser.add_argument("--warmup", action="store_true", help="leave ember's warm-up on (off by default: each case is opened once)")
+    parser.add_argument("--reuse", action="store_true", help="leave ember's completion cache and typed-through reuse on")
+    parser.add_argument("--out", type=Path, help="results file (default bench/results/quality-<model>.json)")
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: merge the records of earlier result files (one strategy each, e.g. runs made "
+        "in parallel) into --out and print the tables",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other strategies' records already in the results file (same cases), to compare "
+        "strategies measured in separate runs",
+    )
+    return parser.parse_args(argv)
+
+
+def select_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
+    files = [] if args.no_dev else list(DEV_FILES)
+    files += args.cases or []
+    selected: list[Case] = []
+    inputs = []
+    for path in files:
+        selected += sample(load_cases(path), args.limit, args.seed)
+        inputs.append(str(path))
+    if args.repo_cuts:
+        cut, used = repo_cases(args.repo_cases, args.seed)
+        selected += sample(cut, args.limit, args.seed)
+        inputs += used
+    return selected, inputs
+
+
+async def run(args: argparse.Namespace) -> int:
+    name, model_path = resolve(args.model)
+    cases, inputs = select_cases(args)
+    if not cases:
+        print("no cases selected", file=sys.stderr)
+        return 2
+    strategies = args.strategy or ["ast"]
+    out = args.out or RESULTS / f"quality-{name}.json"
+    logs = CACHE / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {
+        "model": name,
+        "model_path": model_path,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "inputs": inputs,
+        "limit": args.limit,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "strategies": strategies,
+        "load_s": {},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the venv
+        tqdm = None
+
+    print(f"{len(cases)} cases x {len(strategies)} strategies, model {name} ({model_path})", file=sys.stderr)
+    if "naive" in strategies and not naive_available():
+        meta["warning"] = "context.prompt.build_naive_prompt is missing: ember falls back to the ast prompt for naive"
+        print(f"warning: {meta['warning']}", file=sys.stderr)
+    records: dict[str, list[Record]] = {s: [] for s in strategies}
+    if args.merge:
+        records = {**earlier_records(out, cases, strategies, meta), **records}
+    servers: dict[str, Server] = {}
+    try:
+        # All strategies' servers run side by side and take turns case by case: only one generates
+        # at a time, and they see the same background load (this machine is shared), so their
+        # latencies can be compared.
+        for strategy in strategies:
+            options = server_options(args, strategy)
+            servers[strategy] = Server(model_path, options, logs / f"quality-{name}-{strategy}.log")
+            meta["load_s"][strategy] = round(await servers[strategy].start(), 1)
+            meta.setdefault("options", {})[strategy] = options
+        progress = tqdm(total=len(cases) * len(strategies), file=sys.stderr, dynamic_ncols=True) if tqdm else None
+        for index, case in enumerate(cases):
+            for strategy, server in servers.items():
+                if STOP.is_set():
+                    raise asyncio.CancelledError
+                completion, last, client_ms, error = await server.complete(
+                    case, case_uri(case, strategy, index), args.timeout_ms / 1000 + 60
+                )
+                records[strategy].append(score(case, completion, strategy, last, client_ms, error))
+                if progress:
+                    progress.set_postfix(
+                        {f"es_{s}": f"{sum(r.edit_sim for r in rs) / len(rs):.2f}" for s, rs in records.items() if rs}
+                    )
+                    progress.update()
+            if index % 20 == 19:
+                write_results(out, meta, records, done=False)
+        if progress:
+            progress.close()
+        for strategy, server in servers.items():
+            if server.messages:
+                meta.setdefault("server_messages", {})[strategy] = server.messages[:20]
+    finally:
+        for server in servers.values():
+            await server.stop()
+
+    write_results(out, meta, records, done=True)
+    summary = {s: {g: summarize(rs) for g, rs in groups(recs).items()} for s, recs in records.items()}
+    print()
+    print(f"model {name}, max_tokens {args.max_tokens}, {len(cases)} cases ({', '.join(Path(i).name for i in inputs)})")
+    print(table(summary))
+    print(f"\nwrote {out}")
+    return 0
+
+
+async def run_until_signal(args: argparse.Namespace) -> int:
+    """SIGTERM cancels the run so that the ``finally`` blocks stop the server (and its engine
+    processes) instead of leaving them behind."""
+    task = asyncio.ensure_future(run(args))
+
+    def stop() -> None:
+        # The flag as well as the cancel: a cancel that lands while a reply arrives can be
+        # swallowed (asyncio.wait_for on Python 3.11), the flag is checked before every case.
+        STOP.set()
+        task.cancel()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        print("stopped", file=sys.stderr)
+        return 130
+
+
+def combine(files: list[Path], out: Path | None) -> int:
+    """Merge result files; a strategy found in several files is taken from the first one."""
+    merged: dict[str, list[Record]] = {}
+    metas = []
+    for path in files:
+        data = json.loads(path.read_text())
+        metas.append(data)
+        per_file: dict[str, list[Record]] = defaultdict(list)
+        for row in data["records"]:
+            per_file[row["strategy"]].append(Record(**row))
+        for strategy, rows in per_file.items():
+            merged.setdefault(strategy, rows)
+    id_sets = {s: [r.id for r in rows] for s, rows in merged.items()}
+    if len({tuple(v) for v in id_sets.values()}) > 1:
+        print("warning: the strategies were run on different cases", file=sys.stderr)
+    first = metas[0]
+    meta = {k: first.get(k) for k in ("model", "model_path", "inputs", "limit", "seed", "max_tokens")}
+    meta["strategies"] = list(merged)
+    meta["combined_from"] = {str(p): m.get("command") for p, m in zip(files, metas)}
+    for key in ("load_s", "options"):
+        meta[key] = {s: v for m in metas for s, v in (m.get(key) or {}).items() if s in merged}
+    out = out or RESULTS / f"quality-{meta['model']}.json"
+    write_results(out, meta, merged, done=all(m.get("complete") for m in metas))
+    summary = {s: {g: summarize(rs) for g, rs in groups(recs).items()} for s, recs in merged.items()}
+    print(f"model {meta['model']}, max_tokens {meta['max_tokens']}, combined from {', '.join(str(p) for p in files)}")
+    print(table(summary))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
+    return asyncio.run(run_until_signal(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
