@@ -22,6 +22,11 @@ servers run side by side and take turns case by case, so that their latencies se
 flask, the npm tarball of express), like llm-ls's testbed: one line cut at its first non-blank
 character (``repo-line``), and multi-line function bodies (``repo-body``).
 
+ember's completion cache / typed-through reuse and its warm-up are off unless ``--reuse`` /
+``--warmup``: each case is opened once, and with a prefix-only model two cases sharing a prefix
+would otherwise get one cached answer. ``--limit`` applies to each input (jsonl file, repo cuts).
+SAFIM ids repeat across its sources: a record is identified by (source, id).
+
 Prints tables and writes bench/results/quality-<model>.json (per-case records included).
 """
 
