@@ -185,7 +185,7 @@ class Completer:
         mode = completion_mode(prefix, suffix, doc.language_id)
         metrics.mode = mode
         prompt = self.prompt_for(engine, doc, offset, settings, snippets)
-        cache_key = _cache_key(prompt, mode, settings)
+        cache_key = _cache_key(prompt, mode, settings, suffix)
         cached = self.cache.get(cache_key) if settings.reuse else None
         if cached is not None:
             metrics.cache_hit = True
@@ -353,7 +353,10 @@ class Completer:
         return suggestion[len(typed) :]
 
 
-def _cache_key(prompt: Prompt, mode: str, settings: Settings) -> str:
+def _cache_key(prompt: Prompt, mode: str, settings: Settings, suffix: str) -> str:
+    """The prompt alone is not enough: post-processing trims against the text after the cursor,
+    which a prefix-only prompt does not contain."""
     h = hashlib.blake2b(prompt.text.encode("utf-8", "surrogatepass"), digest_size=16)
+    h.update(suffix[:_REUSE_CONTEXT].encode("utf-8", "surrogatepass"))
     h.update(f"|{mode}|{settings.max_tokens}|{settings.temperature}".encode())
     return h.hexdigest()
