@@ -8,10 +8,13 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
 import threading
+
+from typing import Awaitable, Protocol
 
 from pygls.io_ import StdinAsyncReader, StdoutWriter, run_async
 
@@ -143,6 +146,52 @@ async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
     return await asyncio.start_server(answer, "127.0.0.1", port)
 
 
+class AsyncReader(Protocol):
+    def readline(self) -> Awaitable[bytes]: ...
+
+    def readexactly(self, n: int) -> Awaitable[bytes]: ...
+
+
+# Raw CR LF bytes cannot occur inside a JSON text's strings, so this inside a body means that the
+# body's Content-Length was wrong and the next message's header was swallowed.
+_HEADER = re.compile(rb"Content-Length: \d+\r\n")
+
+
+class ResyncReader:
+    """Wraps pygls' reader so that a wrong Content-Length costs one message, not the connection.
+
+    pygls only recognises a header at the start of a line: after a body that was declared too short,
+    the next header arrives glued to the leftover bytes; after one declared too long, the body holds
+    the next header. Either way every later message would be lost. Here a header found inside a line
+    or a body starts a new message; the broken one is reported as unreadable JSON."""
+
+    def __init__(self, inner: AsyncReader) -> None:
+        self.inner = inner
+        self.pending = b""
+
+    async def readline(self) -> bytes:
+        end = self.pending.find(b"\n")
+        if end >= 0:
+            line, self.pending = self.pending[: end + 1], self.pending[end + 1 :]
+        else:
+            line, self.pending = self.pending + await self.inner.readline(), b""
+        start = line.find(b"Content-Length: ")
+        if start > 0:
+            log.warning("dropped %d bytes before a Content-Length header (a wrong length before it?)", start)
+            line = line[start:]
+        return line
+
+    async def readexactly(self, n: int) -> bytes:
+        body, self.pending = self.pending[:n], self.pending[n:]
+        if len(body) < n:
+            body += await self.inner.readexactly(n - len(body))
+        header = _HEADER.search(body)
+        if header:
+            log.warning("a message body holds the next header: its Content-Length was too long")
+            body, self.pending = body[: header.start()], body[header.start() :] + self.pending
+        return body
+
+
 def stop_on_sigterm(core: EmberCore) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(close_and_exit(core, 0)))
@@ -155,7 +204,7 @@ async def serve_stdio(core: EmberCore, metrics_port: int | None = None) -> None:
     server._stop_event = threading.Event()
     server.protocol.set_writer(StdoutWriter(lsp_stdout()))
     stop_on_sigterm(core)
-    reader = StdinAsyncReader(sys.stdin.buffer, server.thread_pool)
+    reader = ResyncReader(StdinAsyncReader(sys.stdin.buffer, server.thread_pool))
     try:
         await run_async(
             stop_event=server._stop_event,
@@ -193,7 +242,7 @@ async def serve_tcp(
         try:
             await run_async(
                 stop_event=server._stop_event,
-                reader=reader,
+                reader=ResyncReader(reader),
                 protocol=server.protocol,
                 logger=log,
                 error_handler=server.report_server_error,

@@ -48,7 +48,7 @@ VERSION = "0.1.0"
 class UnknownDocument(JsonRpcException):
     """-32602 with a message naming the URI."""
 
-    code = -32602
+    CODE = -32602  # pygls reads the class attribute CODE when it serialises the error
 
 
 class EmberCore:

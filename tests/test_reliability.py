@@ -53,10 +53,8 @@ READY_TIMEOUT_S = 300
 # While vLLM loads (imports in a worker thread), the event loop can stall for many seconds on 2 cores.
 SLOW_S = 60
 PROMPT_S = 10  # "answered promptly", once the model is loaded
-# lsp/server.py's UnknownDocument sets ``code = -32602``, but pygls takes the code from ``CODE``, so
-# it goes out as -32603 InternalError. -32602 InvalidParams is meant: with ``CODE = -32602`` there,
-# change this to -32602.
-UNKNOWN_DOCUMENT = -32603
+# InvalidParams: the request names a document the server does not have.
+UNKNOWN_DOCUMENT = -32602
 
 
 # --------------------------------------------------------------------------------- the raw client
@@ -466,12 +464,6 @@ def test_exit_without_shutdown_ends_with_code_1(tmp_path):
         assert lsp.proc.wait(timeout=10) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pygls' reader only resynchronises on a line that starts with Content-Length: after a "
-    "body of the wrong length the next header is glued to leftover bytes and every later message is "
-    "lost; needs a resynchronising reader in lsp/cli.py (see the reliability report)",
-)
 def test_wrong_content_length_loses_one_message_not_the_connection(tmp_path):
     with bare_server(tmp_path) as lsp:
         lsp.initialize(initialized=False)
