@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Literal
 
-from tree_sitter import Node
+from tree_sitter import Node, Tree
 
 from context.languages import normalize_language_id, parser_for
 
@@ -74,6 +74,40 @@ _PAIR = {")": "(", "]": "[", "}": "{"}
 _CLOSER_LINE = re.compile(r"^(?:[)\]}][)\]};,]*|end\b[;,]?)$")
 # Lines that continue a statement whose block has just been closed: not a new statement.
 _CONTINUATION = re.compile(r"^(?:[)\]}]|else\b|elif\b|except\b|finally\b|catch\b|while\b.*[;)]\s*$)")
+# A branch that continues a compound statement (``else:``, ``} else {``, ``except E:``, ``} catch (e) {``).
+_BRANCH = re.compile(r"^(?:\}\s*)?(else|elif|except|finally|catch)\b")
+# For each branch keyword, the headers whose statement it may continue (after an optional `} `).
+_BRANCH_OF = {
+    "else": re.compile(r"^(?:\}\s*)?(?:if|elif|else\s+if|for|while|try|except)\b"),
+    "elif": re.compile(r"^(?:if|elif)\b"),
+    "except": re.compile(r"^(?:try|except)\b"),
+    "finally": re.compile(r"^(?:\}\s*)?(?:try|except|catch)\b"),
+    "catch": re.compile(r"^(?:\}\s*)?(?:try|catch)\b"),
+}
+# A markdown fence: instruct models close their answer with one and write prose after it.
+_FENCE = re.compile(r"^\s*```")
+# Chat prose after code: a capitalised word and at least three more plain words, at column 0.
+_PROSE = re.compile(r"^[A-Z][a-z]+(?:'[a-z]+)?,?(?:[ \t]+[\w'`\"(),.:!?/-]+){3,}[ \t]*$")
+# The openers that chat models use for remarks, whatever follows them.
+_PROSE_START = re.compile(
+    r"^(?:Here(?:'s| is| are)\b|(?:This|The) (?:code|function|program|implementation|solution|example|output)\b"
+    r"|(?:Explanation|Example usage|Usage|Output|Note|Notes)\s*:)"
+)
+# Languages whose text is prose: chat-text detection would cut their real content.
+_TEXT_LANGUAGES = frozenset(
+    {"markdown", "plaintext", "text", "latex", "tex", "restructuredtext", "asciidoc", "org", "html", "xml", "yaml"}
+)
+# Starting a line, these continue code, never prose (`None if x else y`, `Some(x)`).
+_CODE_WORDS = frozenset({"None", "True", "False", "Some", "Ok", "Err", "Self", "Nil"})
+# Multi-line string and comment delimiters, and what to skip while looking for them.
+_PY_TOKENS = re.compile(r'"""|\'\'\'|#|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
+_C_TOKENS = re.compile(r'/\*|\*/|//|`|"(?:\\.|[^"\\\n])*"')
+_BLOCK_OPENERS = ('"""', "'''", "/*")
+_BACKTICK_STRINGS = frozenset({"javascript", "javascriptreact", "typescript", "typescriptreact", "go"})
+_WORD = re.compile(r"[A-Za-z']+[,.:!?]?")
+# Generation loops: a group of this many lines or fewer, repeated this many times in a row.
+_LOOP_GROUP = 3
+_LOOP_REPEATS = 3
 # A trailing comment without quotes in it, so that `x = {  # note` still ends with `{`.
 _TRAILING_COMMENT = re.compile(r"\s*(?:#|//)[^\"'`]*$")
 # A header that starts a definition: completions that start one stop after it (one definition at
@@ -98,7 +132,9 @@ _STRING_TYPES = ("string", "template_string", "heredoc", "char_literal", "text_b
 # Public API
 
 
-def completion_mode(prefix: str, suffix: str, language_id: str) -> Mode:
+def completion_mode(
+    prefix: str, suffix: str, language_id: str, *, tree: Tree | None = None, cursor_byte: int | None = None
+) -> Mode:
     """``"multi"`` when the cursor is on a line with nothing but whitespace before it, else ``"single"``.
 
     * Text before the cursor on its line (middle or end of a line): ``single``. The user is
@@ -118,6 +154,10 @@ def completion_mode(prefix: str, suffix: str, language_id: str) -> Mode:
       expression: ``single``.
     * Exception, from the syntax tree: an empty line inside a string or comment (docstring,
       block comment) is ``single``; prose has no block structure to stop on.
+
+    ``tree`` (the document's up-to-date tree-sitter tree) with ``cursor_byte`` (the cursor's UTF-8
+    offset in the whole document) answers the string/comment question without parsing; without
+    them, up to 8 KB on each side of the cursor are parsed (~3 ms). The answer is the same.
     """
     try:
         before = _line_before(prefix)
@@ -127,7 +167,7 @@ def completion_mode(prefix: str, suffix: str, language_id: str) -> Mode:
         if after.strip() and not _starts_statement(after.strip()):
             return "single"
         lang = normalize_language_id(language_id)
-        if _inside_string_or_comment(prefix, suffix, lang):
+        if _inside_string_or_comment(prefix, suffix, lang, tree, cursor_byte):
             return "single"
         return "multi"
     except Exception:  # a mode decision must never break a request
@@ -135,7 +175,9 @@ def completion_mode(prefix: str, suffix: str, language_id: str) -> Mode:
         return "single"
 
 
-def find_stop(generated: str, prefix: str, suffix: str, language_id: str, mode: Mode) -> int | None:
+def find_stop(
+    generated: str, prefix: str, suffix: str, language_id: str, mode: Mode, *, healed: str = ""
+) -> int | None:
     """The index in ``generated`` where the completion is complete, or ``None`` to keep going.
 
     Cheap enough to call per streamed chunk: string scans of ``generated`` plus a small cached
@@ -169,56 +211,100 @@ def find_stop(generated: str, prefix: str, suffix: str, language_id: str, mode: 
 
       Indentation is judged after the same fixes :func:`postprocess` applies (tabs vs spaces,
       lines written relative to column 0), so a model that indents wrongly is not cut short.
+      A dedented line that continues the statement whose block is being filled (``else:``,
+      ``} else {``, ``except E:``, ``} catch (e) {`` at that statement's column, when the suffix
+      does not continue it already) is kept; the next line back at that column ends the block.
+
+    * Both modes: a markdown fence line (three backticks) or chat prose after a blank line
+      (instruct models close their answer and explain it) ends the completion as if the text
+      ended there (not in markdown or plain text), and a group of 1-3 lines repeated 3 times in
+      a row (a generation loop) ends it after its first copy.
+    * A leading line break on an indented empty line (``multi``) does not count: the first line
+      with code goes on the cursor's line (see :func:`postprocess`, step 2). Such a line
+      indented below the cursor ends the completion at once (index 0).
+
+    ``healed``: what :func:`context.prompt.build_prompt` stripped from the end of the prompt
+    (``Prompt.healed``); the model's text then starts before the cursor (see :func:`postprocess`).
     """
     try:
         lang = normalize_language_id(language_id)
         site = _site(prefix, suffix, lang)
         start, end = _special_span(generated)
         ended = end < len(generated)  # a special token ended the text: all before it is final
-        raw = generated[start:end].split("\n")
-        lines = _fix_indentation([_no_cr(r) for r in raw], site, mode)
-        keep = _keep_lines(lines, site, mode, final=ended)
+        text = _prepare(generated[start:end], site, mode, healed, final=ended)
+        if text is None:
+            return start
+        keep = _keep_lines(text.lines, site, mode, final=text.final)
         if keep is None:
             return end if ended else None
         if keep == 0:
             return start
-        offset = start + sum(len(r) + 1 for r in raw[: keep - 1])
-        return offset + len(_no_cr(raw[keep - 1]))
+        raw = text.raw[: text.skip + keep]
+        offset = start + sum(len(r) + 1 for r in raw[:-1])
+        return offset + len(_no_cr(raw[-1]))
     except Exception:
         log.warning("find_stop failed; letting generation continue", exc_info=True)
         return None
 
 
-def postprocess(generated: str, prefix: str, suffix: str, language_id: str, mode: Mode) -> str:
+def postprocess(
+    generated: str,
+    prefix: str,
+    suffix: str,
+    language_id: str,
+    mode: Mode,
+    *,
+    truncated: bool = False,
+    healed: str = "",
+) -> str:
     """The text to insert at the cursor, or ``""`` when nothing useful remains.
+
+    ``truncated``: generation stopped at its token limit (finish reason ``length``), so the last
+    line may be half written; in ``multi`` mode it is dropped (half a line is worse than none).
+    ``healed``: the whitespace (or trailing spaces after code) that the prompt left out at the
+    cursor (``Prompt.healed``, token healing); the model's text then starts where that
+    whitespace started and is re-aligned to the cursor.
 
     Steps, in order:
 
     1. Special tokens: leading ones are dropped, the text is cut at the first other one, and a
-       token cut short by the end of the stream is dropped.
-    2. Indentation (multi, and the lines after the first in single): leading tabs/spaces follow
+       token cut short by the end of the stream is dropped. When ``truncated`` (multi), the text
+       after the last line break is dropped.
+    2. Alignment: with ``healed`` after code, the model's copy of it is dropped from the start;
+       with ``healed`` indentation (the cursor on an indented empty line), and in ``multi`` when
+       the model starts with a line break there, the model's lines count from column 0: leading
+       blank lines are dropped, and the first line with code goes on the cursor's line without
+       the columns the cursor already has. A first line indented below the cursor left the
+       cursor's block (``multi``: the completion is empty).
+    3. Indentation (multi, and the lines after the first in single): leading tabs/spaces follow
        the document's style; a first line that repeats the whitespace already before the cursor
-       loses it; lines written relative to column 0 instead of the cursor's column are shifted;
-       an empty block body whose completion is not indented deeper than its header is shifted
-       one level in.
-    3. Cut where :func:`find_stop` would stop (the final text counts as complete).
-    4. A line repeated 4+ times at the end (a generation loop) is kept once. (Lines repeating
-       the suffix are already cut in step 3.)
+       loses it; lines written relative to column 0 instead of the cursor's column are shifted
+       (also when the block the first line opens closes at column 0); an empty block body whose
+       completion is not indented deeper than its header is shifted one level in; in ``multi``,
+       levels written with another width than the document's (4 vs 2 columns) are rescaled.
+    4. Cut where :func:`find_stop` would stop (the final text counts as complete): chat text
+       after code, a generation loop (one copy is kept), the block's end, the repeated next
+       line.
     5. Same-line overlap: a completion that ends with the rest of the cursor's line (the model
        rewrote it) loses that copy, and so does a partial copy of at least 4 characters.
     6. Brackets: closers (and a closing quote) in the completion that close something opened
        before the cursor, when the suffix already starts with that closer: the completion is cut
-       before one of them (``foo(|)`` + ``a, b)`` -> ``a, b``; ``a, b).then(f)`` -> ``a, b``).
+       before one of them (``foo(|)`` + ``a, b)`` -> ``a, b``; ``a, b).then(f)`` -> ``a, b``),
+       or before a closer line it ends with (``} else {`` ... ``}`` + the suffix's ``}``).
        With a grammar, each candidate cut is parsed in place and kept only if it has fewer
        ERROR/MISSING nodes than the uncut text (so a needed inner ``)`` stays); without one, the
        brackets of the cursor's line are counted instead.
     7. Trailing whitespace is stripped, except what the suffix needs: when the cursor sits before
        code at the start of a line (multi), the completion ends with a line break and the line's
        indentation, and trailing spaces before code on the same line are kept (``return |x``).
+       A block written between an empty pair of brackets on one line (``{|}``, single mode,
+       starting with a line break) ends with a line break and the line's indentation, so the
+       closer goes under its header.
     8. Line breaks become the document's (``\\r\\n`` when it uses them).
     """
     try:
-        return _postprocess(generated, prefix, suffix, normalize_language_id(language_id), mode)
+        lang = normalize_language_id(language_id)
+        return _postprocess(generated, prefix, suffix, lang, mode, truncated=truncated, healed=healed)
     except Exception:
         log.warning("postprocess failed; falling back to the first line", exc_info=True)
     try:  # a plain, safe answer rather than none
@@ -262,6 +348,7 @@ class _Site:
     indent_unit: int  # columns per level
     eol: str  # "\n" or "\r\n"
     ancestors: tuple[str, ...] = ()  # the lines above whose indentation drops, nearest first
+    unit_known: bool = False  # indent_unit was seen in the document, not a default
 
     def enclosing(self, width: int) -> str | None:
         """The nearest line above the cursor indented less than ``width`` (a block's header)."""
@@ -324,15 +411,19 @@ def _site(prefix: str, suffix: str, lang: str) -> _Site:
 
     # The cursor's own indentation counts: it is often the only indented line of a new file.
     own = [before + "x"] if before and not before.strip() else []
-    indent_char, unit = _indent_style(above[-200:-1] + own + below[:100])
+    indent_char, unit, known = _indent_style(above[-200:-1] + own + below[:100])
     eol = "\r\n" if "\r\n" in head[-2000:] or "\r\n" in tail[:2000] else "\n"
-    return _Site(lang, before, after, prev_line, tuple(next_lines), indent_char, unit, eol, tuple(ancestors))
+    return _Site(
+        lang, before, after, prev_line, tuple(next_lines), indent_char, unit, eol, tuple(ancestors), known
+    )
 
 
-def _indent_style(lines: list[str]) -> tuple[str | None, int]:
-    """(indent character, columns per level). The character is ``None`` unless (nearly) every
-    indented line uses it: in a document that mixes tabs and spaces the model's choice is as good
-    as ours, and converting would only move lines around."""
+def _indent_style(lines: list[str]) -> tuple[str | None, int, bool]:
+    """(indent character, columns per level, whether that width was seen rather than assumed).
+    The character is ``None`` unless (nearly) every indented line uses it: in a document that
+    mixes tabs and spaces the model's choice is as good as ours, and converting would only move
+    lines around. The width is "seen" when it is the most common step, at least twice: only then
+    may a model's levels be rescaled to it."""
     tab_lines = space_lines = 0
     steps: dict[int, int] = {}
     last = 0
@@ -356,20 +447,34 @@ def _indent_style(lines: list[str]) -> tuple[str | None, int]:
     elif total and space_lines >= 0.97 * total:
         char = " "
     if char == "\t":
-        return char, _TAB
+        return char, _TAB, True
     common = [s for s in sorted(steps, key=lambda s: -steps[s]) if s in (2, 3, 4, 8)]
-    return char, common[0] if common else 4
+    if not common:
+        return char, 4, False
+    unit = common[0]
+    known = steps[unit] >= 2 and all(steps[s] < steps[unit] for s in common[1:])
+    return char, unit, known
 
 
-def _inside_string_or_comment(prefix: str, suffix: str, lang: str) -> bool:
+def _inside_string_or_comment(
+    prefix: str, suffix: str, lang: str, tree: Tree | None = None, cursor_byte: int | None = None
+) -> bool:
+    if tree is not None and cursor_byte is not None:
+        # The document's own tree is up to date: no parse on the request path.
+        return _string_or_comment_at(tree.root_node, cursor_byte)
     parser = parser_for(lang)
     if parser is None:
         return False
     # Once per request, on the request path: a window keeps a huge file from costing ~60 ms.
     prefix, suffix = _window(prefix, suffix, _MODE_PARSE_CHARS)
     pos = len(prefix.encode("utf-8"))
-    tree = parser.parse((prefix + suffix).encode("utf-8"))
-    node: Node | None = tree.root_node.descendant_for_byte_range(pos, pos)
+    parsed = parser.parse((prefix + suffix).encode("utf-8"))
+    return _string_or_comment_at(parsed.root_node, pos)
+
+
+def _string_or_comment_at(root: Node, pos: int) -> bool:
+    """Is byte ``pos`` strictly inside a string or comment node of the tree under ``root``?"""
+    node: Node | None = root.descendant_for_byte_range(pos, pos)
     while node is not None:
         kind = node.type
         if any(t in kind for t in _COMMENT_TYPES + _STRING_TYPES) and node.start_byte < pos < node.end_byte:
@@ -403,6 +508,8 @@ def _leading(line: str) -> str:
 
 
 def _opens_block(line: str) -> bool:
+    if _is_comment(line.strip()):
+        return False  # `# Examples:` / `/* Usage:` open no block
     code = _TRAILING_COMMENT.sub("", line.rstrip())
     return code.endswith((":", "{", "(", "["))
 
@@ -442,10 +549,155 @@ def _shift(line: str, indent: str) -> str:
     return indent + line if line.strip() else line
 
 
-def _fix_indentation(lines: list[str], site: _Site, mode: Mode) -> list[str]:
+@dataclass(frozen=True)
+class _Text:
+    """The model's text as lines, ready for :func:`_keep_lines`."""
+
+    raw: list[str]  # the model's lines (special tokens removed), "\r" included
+    skip: int  # raw lines before lines[0]: a leading line break that the cursor's line replaces
+    lines: list[str]  # raw[skip:], aligned to the cursor and with indentation fixed
+    final: bool  # nothing can follow lines: the text ended (or chat text after code begins)
+
+
+def _prepare(body: str, site: _Site, mode: Mode, healed: str, final: bool) -> _Text | None:
+    """The shared first half of :func:`find_stop` and :func:`postprocess`: lines aligned to the
+    cursor (see :func:`_align`), indentation fixed, and cut where chat text begins. ``None``:
+    the model left the cursor's block at once (the completion is empty)."""
+    raw = body.split("\n")
+    aligned = _align([_no_cr(r) for r in raw], site, mode, healed)
+    if aligned is None:
+        return None
+    skip, lines, absolute = aligned
+    lines = _fix_indentation(lines, site, mode, absolute)
+    chat = _chat_start(lines, site, mode, final)
+    if chat is not None:
+        lines, final = lines[:chat], True
+    return _Text(raw, skip, lines, final)
+
+
+def _align(lines: list[str], site: _Site, mode: Mode, healed: str) -> tuple[int, list[str], bool] | None:
+    """(raw lines skipped, the lines from there, whether they count from column 0), or ``None``
+    when the first line with code is indented below the cursor (``multi``: it left the block).
+
+    * ``healed`` after code (``return |`` sent as ``return``): the model's text starts with its
+      own copy of that whitespace (`` x``), which the document already has.
+    * ``healed`` indentation (an indented empty line sent as a line start): the model wrote the
+      whole line, indentation included.
+    * ``multi``, the cursor at the end of an indented empty line, the model starting with a line
+      break: it wrote the line after this one. Taken as is, the completion would leave the
+      cursor's line behind, holding nothing but whitespace; its first line goes there instead.
+
+    In the last two cases the lines count from column 0: the first line with code loses the
+    columns the cursor already has, later lines keep theirs.
+    """
+    healed = healed if healed and site.before.endswith(healed) else ""
+    whole_line = bool(healed) and healed == site.before  # the prompt ended at the line start
+    if healed and not whole_line:
+        lines = [_drop_prefix(lines[0], healed)] + lines[1:]
+    leading_break = (
+        mode == "multi" and site.blank_before and site.column > 0 and len(lines) > 1 and not lines[0].strip()
+    )
+    if not (whole_line or leading_break):
+        return 0, lines, False
+    k = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if k is None:
+        return 0, lines, False  # no code yet: nothing to align
+    col = site.column
+    if _indent_width(lines[k]) < col:
+        if mode == "multi":
+            return None
+        return k, [lines[k].lstrip(" \t")] + lines[k + 1 :], True
+    return k, [_drop_columns(lines[k], col)] + lines[k + 1 :], True
+
+
+def _drop_prefix(line: str, healed: str) -> str:
+    """``line`` without the part of ``healed`` (whitespace left out of the prompt) that it
+    starts with."""
+    n = 0
+    while n < min(len(line), len(healed)) and line[n] == healed[n]:
+        n += 1
+    return line[n:]
+
+
+def _drop_columns(line: str, col: int) -> str:
+    """``line`` without ``col`` columns of leading whitespace (a tab that reaches past ``col``
+    leaves the rest as spaces)."""
+    width = i = 0
+    while i < len(line) and line[i] in " \t" and width < col:
+        width = width + 1 if line[i] == " " else width + _TAB - width % _TAB
+        i += 1
+    return " " * max(0, width - col) + line[i:]
+
+
+def _chat_start(lines: list[str], site: _Site, mode: Mode, final: bool) -> int | None:
+    """The first complete line that is chat rather than code: a markdown fence (three
+    backticks, with or without a language), or prose at column 0 after a blank line (``This
+    function returns ...``); ``None`` when there is none. Lines inside a multi-line string or
+    comment (a docstring with an example) are code.
+
+    Line 0 is only judged when it is a whole line of code (``multi``; in ``single`` on a blank
+    line the cursor sits in a string or comment, where a fence is text)."""
+    if site.lang in _TEXT_LANGUAGES:
+        return None  # fences and sentences are the content of markdown and plain text
+    complete = _completeness(len(lines), final)
+    state = _open_block(site.before, site.lang, None)
+    for i, line in enumerate(lines):
+        if not complete(i):
+            return None
+        judged = i > 0 or (mode == "multi" and site.blank_before)
+        if judged and state is None:
+            if _FENCE.match(line):
+                return i
+            if i > 0 and not lines[i - 1].strip() and _looks_like_prose(line):
+                return i
+        state = _open_block(line, site.lang, state)
+    return None
+
+
+def _open_block(line: str, lang: str, state: str | None) -> str | None:
+    """The multi-line string or comment still open after ``line`` (a triple quote, a template
+    string's backtick, ``/*``), given the one open before it. A rough lexer: one-line strings
+    and line comments are skipped so that their quotes do not count."""
+    tokens = _PY_TOKENS if lang == "python" else _C_TOKENS
+    pos = 0
+    while pos < len(line):
+        if state is not None:
+            close = "*/" if state == "/*" else state
+            end = line.find(close, pos)
+            if end < 0:
+                return state
+            state, pos = None, end + len(close)
+            continue
+        m = tokens.search(line, pos)
+        if m is None:
+            return None
+        token = m.group(0)
+        if token in ("#", "//"):
+            return None
+        if token in _BLOCK_OPENERS or (token == "`" and lang in _BACKTICK_STRINGS):
+            state = token
+        pos = m.end()
+    return state
+
+
+def _looks_like_prose(line: str) -> bool:
+    """An English sentence at column 0 (chat text), not a line of code: a capitalised word, then
+    plain words; no operators, no braces, no trailing ``;`` or ``{``."""
+    if line[:1].isspace() or not line.strip():
+        return False
+    if _PROSE_START.match(line):
+        return True
+    if not _PROSE.match(line) or line.split()[0].rstrip(",") in _CODE_WORDS:
+        return False
+    return sum(1 for word in line.split() if _WORD.fullmatch(word)) >= 4
+
+
+def _fix_indentation(lines: list[str], site: _Site, mode: Mode, absolute: bool = False) -> list[str]:
     """The model's lines with their indentation made to fit the block at the cursor.
 
     Only leading whitespace changes, so line ``i`` still is line ``i`` of the model's text.
+    ``absolute``: the lines after the first were written from column 0 of their own lines (see
+    :func:`_align`), so they cannot be relative to the cursor's column.
     """
     if not lines:
         return lines
@@ -471,7 +723,7 @@ def _fix_indentation(lines: list[str], site: _Site, mode: Mode) -> list[str]:
     # code inside a def/class does not jump to column 0 without a blank line (a script's loop
     # body may, so there it counts only inside a definition). A line that repeats the next line
     # of the suffix is taken as written: the model is echoing it.
-    if col > 0 and not _leading(out[0]) and rest:
+    if col > 0 and not absolute and not _leading(out[0]) and rest:
         second = out[rest[0]]
         width2 = _indent_width(second)
         echoes = bool(site.next_lines) and _same_line(second, site.next_lines[0])
@@ -483,7 +735,7 @@ def _fix_indentation(lines: list[str], site: _Site, mode: Mode) -> list[str]:
             and not _is_closer_line(second.strip())
             and not _is_comment(second.strip())  # commented-out code often sits at column 0
         )
-        relative = not echoes and ((_opens_block(out[0]) and 0 < width2 <= col) or plain)
+        relative = not echoes and ((_opens_block(out[0]) and 0 < width2 <= col) or plain or _closes_at_zero(out, site))
         if relative:
             indent = _leading(site.before)
             out = [out[0]] + [_shift(line, indent) for line in out[1:]]
@@ -498,37 +750,109 @@ def _fix_indentation(lines: list[str], site: _Site, mode: Mode) -> list[str]:
             missing = header + (_TAB if site.indent_char == "\t" else site.indent_unit) - first_width
             pad = "\t" * -(-missing // _TAB) if site.indent_char == "\t" else " " * missing
             out = [pad + out[0]] + [_shift(line, pad) for line in out[1:]]
-    return out
+    return _rescale_levels(out, site)
+
+
+def _closes_at_zero(out: list[str], site: _Site) -> bool:
+    """Does a bracket that the first line opens close on a line at column 0? Written at the
+    cursor's column, that closer would sit at the column of its opening line; at column 0, the
+    model wrote the lines as if the first one were at column 0 (even when the body's depth,
+    4 columns in a 2-space file, exceeds the cursor's column and looks absolute)."""
+    depth = len(_scan(out[0], site.lang)[1])
+    if depth == 0:
+        return False
+    for line in out[1:]:
+        stripped = line.strip()
+        if not stripped or _is_comment(stripped):
+            continue
+        if _indent_width(line) == 0:
+            return stripped[0] in _CLOSERS
+        closed, opened, _ = _scan(line, site.lang)
+        depth += len(opened) - sum(1 for p in closed if line[p] in _CLOSERS)
+        if depth <= 0:
+            return False  # closed at its own column: absolute after all
+    return False
+
+
+def _rescale_levels(out: list[str], site: _Site) -> list[str]:
+    """Lines below the first, written with 2-column levels in a 4-column document or the other
+    way round, get the document's width per level (the first line's column stays the base).
+
+    Only when the document's width was seen (not assumed), the cursor sits exactly that width
+    inside its block's header (files that mix widths, a 2-column body in a 4-column function,
+    keep what the model wrote), and every line deeper than the base sits a whole number of the
+    model's levels deeper: aligned arguments and other odd columns are not levels.
+    """
+    unit = site.indent_unit
+    if len(out) < 2 or not site.unit_known or site.indent_char is None or unit not in (2, 4):
+        return out
+    header = site.enclosing(site.column)
+    if header is None or site.column - _indent_width(header) != unit:
+        return out
+    base = site.column + _indent_width(out[0])  # multi mode on a blank line: see the caller
+    deltas = [_indent_width(line) - base for line in out[1:] if line.strip()]
+    deeper = [d for d in deltas if d > 0]
+    if not deeper:
+        return out
+    step = min(deeper)
+    if step == unit or step not in (2, 4) or any(d % step for d in deeper):
+        return out
+
+    def rescale(line: str) -> str:
+        width = _indent_width(line)
+        if not line.strip() or width <= base:
+            return line
+        new = base + (width - base) // step * unit
+        lead = "\t" * (new // _TAB) + " " * (new % _TAB) if site.indent_char == "\t" else " " * new
+        return lead + line.lstrip(" \t")
+
+    return [out[0]] + [rescale(line) for line in out[1:]]
 
 
 def _keep_lines(lines: list[str], site: _Site, mode: Mode, final: bool) -> int | None:
     """How many of ``lines`` make the completion, or ``None`` while undecided (not ``final``)."""
+    if not lines:
+        return 0
+    keep = _single_keep(lines, site, final) if mode == "single" else _multi_keep(lines, site, final)
+    # A loop is judged within what the rules keep (or all there is, while they wait for more).
+    loop = _loop_end(lines, site, len(lines) if keep is None else keep, final)
+    return loop if loop is not None and (keep is None or loop < keep) else keep
+
+
+def _completeness(n: int, final: bool) -> Callable[[int], bool]:
+    """Is line ``i`` of ``n`` complete? All but the last are; the last only in the final text."""
+    return lambda i: i < n - 1 or final
+
+
+def _single_keep(lines: list[str], site: _Site, final: bool) -> int | None:
     n = len(lines)
-
-    def complete(i: int) -> bool:
-        return i < n - 1 or final
-
-    if mode == "single":
-        if lines[0].strip():
-            if not complete(0):
-                return None
-            if site.blank_before and site.next_lines and _same_line(site.before + lines[0], site.next_lines[0]):
-                return 0
-            return _single_end(lines, 0, site, complete)
-        if n == 1:
-            return 0 if final else None
-        if site.after.strip():
-            return 0  # a line break would split the code after the cursor
-        for i in range(1, n):
-            if lines[i].strip():
-                if not complete(i):
-                    return None
-                if site.next_lines and _same_line(lines[i], site.next_lines[0]):
-                    return 0
-                return _single_end(lines, i, site, complete)
+    complete = _completeness(n, final)
+    if lines[0].strip():
+        if not complete(0):
+            return None
+        if site.blank_before and site.next_lines and _same_line(site.before + lines[0], site.next_lines[0]):
+            return 0
+        return _single_end(lines, 0, site, complete)
+    if n == 1:
         return 0 if final else None
+    if site.after.strip():
+        # A line break would split the code after the cursor, unless that code only closes an
+        # empty pair of braces (`{|}`): then the model writes the block between them.
+        return _pair_end(lines, site, complete) if _empty_pair(site) else 0
+    for i in range(1, n):
+        if lines[i].strip():
+            if not complete(i):
+                return None
+            if site.next_lines and _same_line(lines[i], site.next_lines[0]):
+                return 0
+            return _single_end(lines, i, site, complete)
+    return 0 if final else None
 
-    # multi
+
+def _multi_keep(lines: list[str], site: _Site, final: bool) -> int | None:
+    n = len(lines)
+    complete = _completeness(n, final)
+
     def full(i: int) -> str:
         return site.before + lines[0] if i == 0 and site.blank_before else lines[i]
 
@@ -537,6 +861,9 @@ def _keep_lines(lines: list[str], site: _Site, mode: Mode, final: bool) -> int |
         return 0 if final else None
     if not complete(first):
         return None
+    outer = _outer_definition(lines, site, complete)
+    if outer is not False:
+        return None if outer is None else 0
     nxt = site.next_lines[0] if site.next_lines else None
     if nxt is not None and (first > 0 or site.blank_before) and _same_line(full(first), nxt):
         return first
@@ -562,12 +889,91 @@ def _keep_lines(lines: list[str], site: _Site, mode: Mode, final: bool) -> int |
             if closer:
                 closed = True
                 continue
+            if _continues_statement(stripped, width, base, site):
+                # `else:` of the `if` whose body is being filled: its body comes next, and the
+                # next line back at the `if`'s column (not deeper) ends the completion.
+                base = width + 1
+                continue
             return _before_comments(lines, i, first, base)
         if width > base:
             deeper = True
         elif definition and deeper and not closer and not _CONTINUATION.match(stripped):
             return _before_comments(lines, i, first, base)
     return n if final else None
+
+
+def _outer_definition(lines: list[str], site: _Site, complete: Callable[[int], bool]) -> bool | None:
+    """Python: does the completion start a definition of its own at column 0 (a ``def`` or
+    ``class`` with a body) while the code after the cursor goes on indented? The cursor is then
+    inside that indented block (an empty line at column 0 in a function body), and the model
+    left it: the new definition would swallow the rest of the block. ``None``: undecided yet.
+
+    A definition whose body is the suffix (the model wrote only the header) is not affected,
+    and neither is a nested helper (not at column 0)."""
+    if site.lang != "python" or not site.blank_before or not site.next_lines or site.column > 0:
+        return False
+    if _indent_width(site.next_lines[0]) == 0:
+        return False
+    code = (i for i, line in enumerate(lines) if line.strip() and not _is_comment(line.strip()))
+    head = next(code, None)
+    if head is None or not complete(head):
+        return False if head is None else None
+    if _indent_width(lines[head]) > 0 or not _DEFINITION.match(lines[head]):
+        return False
+    body = next(code, None)
+    if body is None or not complete(body):
+        return None if body is not None or not complete(len(lines) - 1) else False
+    return _indent_width(lines[body]) > 0
+
+
+def _continues_statement(stripped: str, width: int, base: int, site: _Site) -> bool:
+    """Is a line dedented to ``width`` below the block (at ``base``) a branch of the statement
+    whose block the cursor is in (``else:``/``elif``/``except``/``finally``, ``} else {``,
+    ``} catch (e) {``)? Only when the block's header above the cursor sits at that column and
+    is one the branch can follow, and the suffix does not go on with that block or with a
+    branch of its own (a second ``else`` would be a syntax error)."""
+    m = _BRANCH.match(stripped)
+    if m is None:
+        return False
+    header = site.enclosing(base)
+    if header is None or _indent_width(header) != width or not _BRANCH_OF[m.group(1)].match(header.strip()):
+        return False
+    nxt = site.next_lines
+    if nxt and _indent_width(nxt[0]) > width:
+        return False  # more of the block follows the cursor: a branch would split it
+    # Past the block's closer (`}` the editor added), the suffix's own branch would follow.
+    ahead = nxt[:2] if nxt and _is_closer_line(nxt[0].strip()) else nxt[:1]
+    return not any(_BRANCH.match(line.strip()) for line in ahead)
+
+
+def _empty_pair(site: _Site) -> bool:
+    """Is the cursor between ``{`` and ``}`` on one line (``{|}``, ``({|});``), with nothing
+    after the ``}`` but closers, ``;`` and ``,``? A block goes there. (In ``f(|)`` a line
+    break would start a multi-line argument list, which single mode does not write.)"""
+    after = site.after.strip()
+    return site.before.rstrip().endswith("{") and after.startswith("}") and all(
+        c in _CLOSERS or c in ";," or c.isspace() for c in after
+    )
+
+
+def _pair_end(lines: list[str], site: _Site, complete: Callable[[int], bool]) -> int | None:
+    """Lines to keep when the model answers ``{|}`` with a line break and a block: the lines
+    indented deeper than the cursor's line; the first line back at its column (the model's
+    copy of the closer, or code after the pair) ends the block. Nothing deeper: nothing."""
+    header = _indent_width(site.before)
+    body = False
+    for i in range(1, len(lines)):
+        stripped = lines[i].strip()
+        if not stripped:
+            continue
+        if not complete(i):
+            return None
+        if _indent_width(lines[i]) <= header:
+            return i if body else 0
+        body = True
+    if not complete(len(lines) - 1):
+        return None
+    return len(lines) if body else 0
 
 
 def _definition_level(line: str, base: int, site: _Site) -> bool:
@@ -617,19 +1023,47 @@ def _single_end(lines: list[str], j: int, site: _Site, complete: Callable[[int],
     return None
 
 
-def _drop_loop(lines: list[str]) -> list[str]:
-    """A line repeated 4+ times at the end is a generation loop: keep one copy."""
-    if len(lines) < 4:
-        return lines
-    last = lines[-1]
-    if not last.strip() or not any(c.isalnum() for c in last):
-        return lines
-    count = 0
-    for line in reversed(lines):
-        if line != last:
-            break
-        count += 1
-    return lines[: len(lines) - count + 1] if count >= 4 else lines
+def _loop_end(lines: list[str], site: _Site, limit: int, final: bool) -> int | None:
+    """Where the first copy ends of the first group of 1-3 lines that the model repeats 3 times
+    in a row (a generation loop: ``# todo:`` x9), among the first ``limit`` complete lines;
+    ``None`` when there is none. Everything after that copy goes: once a model loops, what
+    follows the loop is not worth keeping either, and generation can stop.
+
+    A group needs a word or a number outside closer lines (``}`` / ``end`` lines close nested
+    blocks and repeat legitimately); a group of numbers alone must come 4 times (the rows of a
+    3x3 table of zeros are not a loop). The first line is compared with the whitespace before
+    the cursor, as it will stand in the document.
+    """
+    seen = [site.before + lines[0] if site.blank_before else lines[0], *lines[1:limit]]
+    # Only complete lines count: the last line is still growing unless the text is final.
+    usable = len(seen) if final or len(seen) < len(lines) else len(seen) - 1
+    for i in range(usable):
+        for size in range(1, _LOOP_GROUP + 1):
+            end = i + size * _LOOP_REPEATS
+            if end > usable:
+                break
+            group = seen[i : i + size]
+            # Cheap list comparisons first: this runs on every streamed chunk.
+            if seen[i + size : i + 2 * size] != group or seen[i + 2 * size : end] != group:
+                continue
+            words = _loop_words(group)
+            if words is None:
+                continue
+            if not words:  # numbers only: a 4th copy is needed
+                end += size
+                if end > usable or seen[end - size : end] != group:
+                    continue
+            return i + size
+    return None
+
+
+def _loop_words(group: list[str]) -> bool | None:
+    """For a repeated group: ``True`` when it holds a word outside closer lines, ``False`` when
+    only numbers, ``None`` when neither (closers, punctuation, blank lines)."""
+    content = "".join(line for line in group if not _is_closer_line(line.strip()))
+    if any(c.isalpha() for c in content):
+        return True
+    return False if any(c.isdigit() for c in content) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -732,7 +1166,13 @@ def _balance(text: str, prefix: str, suffix: str, site: _Site, joiner: str = "")
     head = _suffix_head(suffix, same_line=not has_grammar)
     if not head:
         return text
-    cuts = [p for p in unmatched if text[p] == head[0]]
+    cuts = [p for p in unmatched if text[p] == head[0]][:4]
+    tail = _closer_tail(text) if has_grammar else None
+    if tail is not None and text[tail] == head[0] and tail not in cuts:
+        # The completion closed a block opened before the cursor and opened one of its own
+        # (`} else {`), which its last line closes: the suffix's closer makes that line one too
+        # many, a cut that no unmatched closer gives.
+        cuts.append(tail)
     if not cuts:
         return text
 
@@ -753,13 +1193,23 @@ def _balance(text: str, prefix: str, suffix: str, site: _Site, joiner: str = "")
     if base is None or base == 0:
         return text
     best, best_errors = text, base
-    for p in cuts[:4]:
+    for p in cuts:
         candidate = text[:p].rstrip()
         errors = _error_count(prefix + candidate + joiner + suffix, site.lang)
         # Cuts come in text order; on a tie the earlier (shorter) one loses, keeping more text.
         if errors is not None and errors <= best_errors and (errors < best_errors or best is not text):
             best, best_errors = candidate, errors
     return best
+
+
+def _closer_tail(text: str) -> int | None:
+    """Where the closer line that ``text`` ends with starts (its first closer), if it has one
+    and more lines before it."""
+    body = text.rstrip()
+    start = body.rfind("\n") + 1
+    if start == 0 or not _is_closer_line(body[start:].strip()):
+        return None
+    return start + len(_leading(body[start:]))
 
 
 def _window(prefix: str, suffix: str, limit: int = _PARSE_CHARS) -> tuple[str, str]:
@@ -834,34 +1284,17 @@ def _trim_overlap(text: str, prefix: str, suffix: str, site: _Site) -> str:
     return cut if after is not None and after <= before else text
 
 
-def _postprocess(generated: str, prefix: str, suffix: str, lang: str, mode: Mode) -> str:
+def _postprocess(
+    generated: str, prefix: str, suffix: str, lang: str, mode: Mode, *, truncated: bool, healed: str
+) -> str:
     site = _site(prefix, suffix, lang)
-    start, end = _special_span(generated)
-    body = generated[start:end]
-    if end == len(generated):
-        body = _PARTIAL_SPECIAL.sub("", body)
-    lines = [_no_cr(line) for line in body.split("\n")]
-    lines = _fix_indentation(lines, site, mode)
-    keep = _keep_lines(lines, site, mode, final=True)
-    lines = lines[: keep if keep is not None else len(lines)]
-    while lines and not lines[-1].strip():
-        lines.pop()
-    lines = _drop_loop(lines)
-    lines = [line.rstrip() for line in lines[:-1]] + lines[-1:]
-    while lines and not lines[-1].strip():
-        lines.pop()
+    lines = _final_lines(generated, site, mode, truncated, healed)
     if not lines:
         return ""
     text = "\n".join(lines)
 
     code_follows = bool(site.after.strip())
-    # Whole lines inserted above code (the cursor at the start of a line, multi): the completion
-    # ends with a break and the indentation that code had, so the code keeps its own line.
-    joiner = ""
-    if code_follows and mode == "multi" and site.blank_before:
-        joiner = "\n" + site.before
-        if site.after.strip()[0] in _CLOSERS and _opens_block(site.prev_line):
-            joiner = "\n" + _leading(site.prev_line)  # `{|}`: the brace goes back under its header
+    joiner = _joiner(text, site, mode)
     if not code_follows or joiner or site.after[:1].isspace():
         text = text.rstrip()
     prefix, suffix = _window(prefix, suffix)
@@ -872,6 +1305,40 @@ def _postprocess(generated: str, prefix: str, suffix: str, lang: str, mode: Mode
         return ""
     text = text.rstrip() + joiner if (joiner or not code_follows) else text
     return text.replace("\n", site.eol) if site.eol != "\n" else text
+
+
+def _final_lines(generated: str, site: _Site, mode: Mode, truncated: bool, healed: str) -> list[str]:
+    """Steps 1-4 of :func:`postprocess`: the lines to insert, before the suffix is consulted."""
+    start, end = _special_span(generated)
+    body = generated[start:end]
+    if end == len(generated):
+        body = _PARTIAL_SPECIAL.sub("", body)
+        if truncated and mode == "multi":
+            body = body[: body.rfind("\n") + 1]  # the token limit cut the last line short
+    text = _prepare(body, site, mode, healed, final=True)
+    if text is None:
+        return []
+    keep = _keep_lines(text.lines, site, mode, final=True)
+    lines = text.lines[: keep if keep is not None else len(text.lines)]
+    lines = [line.rstrip() for line in lines[:-1]] + lines[-1:]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return lines
+
+
+def _joiner(text: str, site: _Site, mode: Mode) -> str:
+    """What goes between the completion and code after the cursor on its line, so that code
+    keeps a line of its own: a line break and that code's indentation (the cursor at the start
+    of a line, multi), or its header's (``{|}``: the brace goes back under its header)."""
+    if not site.after.strip():
+        return ""
+    if mode == "multi" and site.blank_before:
+        if site.after.strip()[0] in _CLOSERS and _opens_block(site.prev_line):
+            return "\n" + _leading(site.prev_line)
+        return "\n" + site.before
+    if mode == "single" and text.startswith("\n") and _empty_pair(site):
+        return "\n" + _leading(site.before)
+    return ""
 
 
 def _starts_statement(code: str) -> bool:

@@ -96,11 +96,16 @@ class Prompt:
     key: PrefixKey
     template: str
     stop: tuple[str, ...]
-    # What the model saw around the cursor; post-processing compares output against these.
+    # The document's text around the cursor that the prompt holds (the prompt's prefix ends
+    # before ``healed``); post-processing compares output against these.
     window_prefix: str
     window_suffix: str
     stable_chars: int = 0  # length of the prompt part that does not depend on the cursor line
     extra: dict[str, int] = field(default_factory=dict)
+    # Token healing (``heal=True``): the spaces/tabs at the end of the cursor's line that the
+    # prompt leaves out (the prompt's prefix is ``window_prefix`` without them). Pass it to
+    # ``postprocess(..., healed=)`` and ``find_stop(..., healed=)``, which re-align the output.
+    healed: str = ""
 
 
 # Estimates use a sample of this many characters taken where typing does not change it.
@@ -489,14 +494,33 @@ class _Parts:
     window_tokens: int
 
 
-def _assemble(parts: _Parts, uri: str, template: FimTemplate, snippets_head: str) -> Prompt:
+def heal_cursor_line(line: str) -> tuple[str, str]:
+    """(the cursor's line as the prompt ends it, the trailing spaces/tabs left out).
+
+    Token healing: BPE tokenizers put a space in front of the word it precedes (`` return``)
+    and split indentation before code (``"   "`` + `` return``), so a prompt that ends in
+    whitespace ends in a token that training text rarely has there, and small models answer
+    badly (a line break, code at column 0). Ending the prompt at the last non-blank character
+    (or at the line start, on an indented empty line) lets the model write the whitespace
+    itself; post-processing drops what the document already has. Only the cursor's own line is
+    touched: it is the changing tail of the prompt anyway, so consecutive prompts while typing
+    still extend each other (``return`` -> ``return`` -> ``return x``).
+    """
+    kept = line.rstrip(" \t")
+    return kept, line[len(kept) :]
+
+
+def _assemble(parts: _Parts, uri: str, template: FimTemplate, snippets_head: str, heal: bool = False) -> Prompt:
     def clean(part: str) -> str:
         return neutralize_control_tokens(part, template)
 
     head = clean(snippets_head + parts.head)
     # Cleaned apart: a control token never spans a line break, and the split gives the stable part.
     above = clean(parts.window_prefix[: parts.cursor_line_start])
-    prefix = above + clean(parts.window_prefix[parts.cursor_line_start :])
+    cursor_line, healed = parts.window_prefix[parts.cursor_line_start :], ""
+    if heal:
+        cursor_line, healed = heal_cursor_line(cursor_line)
+    prefix = above + clean(cursor_line)
     before, after = template.split(head, clean(parts.window_suffix))
     stable = before + above
     key = PrefixKey(
@@ -514,6 +538,7 @@ def _assemble(parts: _Parts, uri: str, template: FimTemplate, snippets_head: str
         window_suffix=parts.window_suffix,
         stable_chars=len(stable),
         extra={"window_tokens": parts.window_tokens, "head_chars": len(head), "anchor_line": parts.anchor_line},
+        healed=healed,
     )
 
 
@@ -544,11 +569,14 @@ def build_prompt(
     counter: TokenCounter | None = None,
     budget: PromptBudget = PromptBudget(),
     snippets: Sequence[Snippet] = (),
+    heal: bool = False,
 ) -> Prompt:
     """The prompt for a completion at ``offset`` (an index into ``text``).
 
     ``tree`` is the document's tree-sitter tree (``None``: indentation stands in for syntax) and
-    ``cursor_byte`` the UTF-8 offset of ``offset`` (computed when missing).
+    ``cursor_byte`` the UTF-8 offset of ``offset`` (computed when missing). ``heal``: end the
+    prompt before the spaces/tabs that end the cursor's line (see :func:`heal_cursor_line`);
+    ``Prompt.healed`` says what was left out, for post-processing.
     """
     counter = counter or ApproxCounter()
     cpt = chars_per_token(text, offset, counter)
@@ -604,7 +632,7 @@ def build_prompt(
     )
     comment = _COMMENT.get(language_id, "//")
     snippets_head = render_snippets(snippets, comment, int(budget.snippet_tokens * cpt))
-    return _assemble(parts, uri, template, snippets_head)
+    return _assemble(parts, uri, template, snippets_head, heal)
 
 
 def build_naive_prompt(
@@ -619,11 +647,12 @@ def build_naive_prompt(
     counter: TokenCounter | None = None,
     budget: PromptBudget = PromptBudget(),
     snippets: Sequence[Snippet] = (),
+    heal: bool = False,
 ) -> Prompt:
     """The baseline that benchmarks compare against: the last N lines before the cursor (as many as
     fit ``prefix_tokens``) and, for FIM, the next N lines (cut to ``suffix_tokens``); no header,
     no syntax. The window slides by a line whenever the cursor's distance to its top outgrows
-    the budget. Same signature and template handling as :func:`build_prompt`."""
+    the budget. Same signature, template handling and healing as :func:`build_prompt`."""
     counter = counter or ApproxCounter()
     cpt = chars_per_token(text, offset, counter)
     window_chars = int(budget.prefix_tokens * cpt * _MARGIN)
@@ -665,7 +694,7 @@ def build_naive_prompt(
     )
     comment = _COMMENT.get(language_id, "//")
     snippets_head = render_snippets(snippets, comment, int(budget.snippet_tokens * cpt))
-    return _assemble(parts, uri, template, snippets_head)
+    return _assemble(parts, uri, template, snippets_head, heal)
 
 
 # ------------------------------------------------------------------------------------------------

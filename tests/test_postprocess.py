@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from context.document import Document
 from context.postprocess import completion_mode, find_stop, postprocess, syntax_ok
 
 CURSOR = "█"
@@ -192,7 +193,7 @@ def test_suffix_echo(lang: str, doc: str, generated: str, expected: str) -> None
 
 def test_generation_loop_is_cut() -> None:
     generated = "log(x);\n" + "  log(x);\n" * 6
-    assert complete("function f(x) {\n  █\n}\n", generated, "javascript") == "log(x);\n  log(x);"
+    assert complete("function f(x) {\n  █\n}\n", generated, "javascript") == "log(x);"
 
 
 def test_brace_after_the_cursor_goes_back_under_its_header() -> None:
@@ -360,6 +361,355 @@ def test_syntax_ok_tolerates_existing_errors() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# issue 3: post-processing by syntax (each list fails on the code before its fix)
+
+DEDENT = [
+    (  # a leading line break, then code below the cursor's column: the model left the block
+        "python",
+        "def mean(xs):\n    total = sum(xs)\n    █\n",
+        "\ndef median(xs):\n    return sorted(xs)[len(xs) // 2]\n",
+        "",
+    ),
+    (  # the cursor at column 0 inside a function body: a new top-level definition left it
+        "python",
+        'def sum_product(numbers):\n    """Sum and product."""\n█\n    for n in numbers:\n        s += n\n',
+        '\ndef sum_product_empty(numbers):\n    """Sum and product of nothing."""\n    return 0, 1\n',
+        "",
+    ),
+    (  # `else:` of the `if` whose body is being filled continues it
+        "python",
+        "def sign(x):\n    if x >= 0:\n        █\n    return s\n",
+        "s = 1\n    else:\n        s = -1\n    return s\n",
+        "s = 1\n    else:\n        s = -1",
+    ),
+    (
+        "python",
+        "def load(path):\n    try:\n        █\n    return data\n",
+        "data = open(path).read()\n    except OSError:\n        data = ''\n    return data\n",
+        "data = open(path).read()\n    except OSError:\n        data = ''",
+    ),
+    (  # a chain of branches; the next statement at the `if`'s column ends it
+        "python",
+        "def grade(n):\n    if n > 90:\n        █\n    print(n)\n",
+        "g = 'A'\n    elif n > 80:\n        g = 'B'\n    else:\n        g = 'C'\n    return g\n",
+        "g = 'A'\n    elif n > 80:\n        g = 'B'\n    else:\n        g = 'C'",
+    ),
+    (  # `} else {`; the model's final `}` is the one the editor already added
+        "rust",
+        "fn sign(x: i32) -> i32 {\n    let s;\n    if x >= 0 {\n        █\n    }\n    s\n}\n",
+        "s = 1;\n    } else {\n        s = -1;\n    }\n    s\n}\n",
+        "s = 1;\n    } else {\n        s = -1;",
+    ),
+    (
+        "go",
+        "func abs(x int) int {\n\tif x < 0 {\n\t\t█\n\t}\n\treturn x\n}\n",
+        "return -x\n\t} else {\n\t\treturn x\n\t}\n}\n",
+        "return -x\n\t} else {\n\t\treturn x",
+    ),
+    (
+        "javascript",
+        "async function load(url) {\n  try {\n    █\n  }\n}\n",
+        "const res = await fetch(url);\n    return await res.json();\n  } catch (err) {\n    return null;\n  }\n}\n",
+        "const res = await fetch(url);\n    return await res.json();\n  } catch (err) {\n    return null;",
+    ),
+]
+
+DEDENT_KEPT = [
+    (  # a header whose body is the suffix
+        "python",
+        "import os\n\n█\n    return os.sep\n",
+        "def separator():\n",
+        "def separator():",
+    ),
+    (  # the suffix has its own `else`: a second branch would break it
+        "python",
+        "def sign(x):\n    if x >= 0:\n        █\n    else:\n        s = -1\n    return s\n",
+        "s = 1\n    elif x < -5:\n        s = -2\n",
+        "s = 1",
+    ),
+    (  # `else` two levels out belongs to the `for`, not to the `if` being filled
+        "python",
+        "def f(xs):\n    for x in xs:\n        if x:\n            █\n    return xs\n",
+        "print(x)\n    else:\n        pass\n",
+        "print(x)",
+    ),
+]
+
+CHAT = [
+    (  # a fence closes the answer; prose follows
+        "python",
+        "def add(a, b):\n    █\n",
+        "return a + b\n```\n\nThis function adds two numbers.\n",
+        "return a + b",
+    ),
+    (  # prose after top-level code, where no dedent ends it
+        "python",
+        "x = load()\n█\n",
+        "print(x)\n\nThis prints the loaded value.\n",
+        "print(x)",
+    ),
+    (
+        "javascript",
+        "const app = express();\n█\n",
+        "app.listen(3000);\n\nThis starts the server on port 3000.\n",
+        "app.listen(3000);",
+    ),
+    (
+        "c",
+        "#include <stdio.h>\n\n█\n",
+        "int twice(int x) { return 2 * x; }\n\nHere is how it works: twice doubles x.\n",
+        "int twice(int x) { return 2 * x; }",
+    ),
+    (  # a chat answer that opens with a fence: no code for the cursor
+        "python",
+        "def f(x):\n    █\n",
+        "```python\ndef f(x):\n    return x\n```\n",
+        "",
+    ),
+]
+
+CHAT_KEPT = [
+    (  # a fence inside a docstring is text
+        "python",
+        "def run():\n    █\n",
+        '"""Run the job.\n\n    ```python\n    run()\n    ```\n    """\n    return 0\n',
+        '"""Run the job.\n\n    ```python\n    run()\n    ```\n    """\n    return 0',
+    ),
+    (  # prose in a comment is code
+        "python",
+        "def f():\n    █\n",
+        "x = 1\n\n    # This function returns the value of x.\n    return x\n",
+        "x = 1\n\n    # This function returns the value of x.\n    return x",
+    ),
+    (  # markdown: fences and sentences are its content
+        "markdown",
+        "# Usage\n\n```sh\n█\n",
+        "npm start\n```\n\nThen open the page in a browser.\n",
+        "npm start\n```\n\nThen open the page in a browser.",
+    ),
+    (  # a fence inside a block comment
+        "c",
+        "int main(void) {\n    █\n}\n",
+        "/* Usage:\n    ```\n    prog --run\n    ```\n    */\n    return run();\n}\n",
+        "/* Usage:\n    ```\n    prog --run\n    ```\n    */\n    return run();",
+    ),
+]
+
+PAIRS = [
+    (  # `{|}` on one line: a block between the braces, the `}` back under its header
+        "javascript",
+        "function answer() {█}\n",
+        "\n  return 42;\n}\n",
+        "\n  return 42;\n",
+    ),
+    ("rust", "fn main() {█}\n", '\n    println!("hi");\n}\n', '\n    println!("hi");\n'),
+    ("typescript", "items.forEach((item) => {█});\n", "\n  console.log(item);\n});\n", "\n  console.log(item);\n"),
+    ("go", "func (s *Server) Close() error {█}\n", "\n\treturn s.ln.Close()\n}\n", "\n\treturn s.ln.Close()\n"),
+    ("c", "int main(void) {█}\n", " return 0; }", " return 0;"),  # one line: the `}` is the suffix's
+]
+
+LOOPS = [
+    (
+        "python",
+        "def parse(line):\n    █\n",
+        "fields = line.split(',')\n" + "    # todo:\n" * 9,
+        "fields = line.split(',')\n    # todo:",
+    ),
+    (
+        "python",
+        "def parse(line):\n    █\n",
+        "fields = line.split(',')\n" + "    # todo: handle quotes\n" * 3,
+        "fields = line.split(',')\n    # todo: handle quotes",
+    ),
+    (  # a group of two lines
+        "javascript",
+        "function setup(app) {\n  █\n}\n",
+        "app.use(cors());\n" + "  app.use(json());\n  app.use(log);\n" * 3,
+        "app.use(cors());\n  app.use(json());\n  app.use(log);",
+    ),
+    (  # a group of three lines, cut off in a fourth copy
+        "rust",
+        "fn main() {\n    █\n}\n",
+        "let mut v = Vec::new();\n" + "    v.push(1);\n    v.push(2);\n    v.push(3);\n" * 3 + "    v.pu",
+        "let mut v = Vec::new();\n    v.push(1);\n    v.push(2);\n    v.push(3);",
+    ),
+    (  # what follows a loop goes with it
+        "go",
+        "func main() {\n\t█\n}\n",
+        "x := load()\n" + "\t// TODO: validate\n" * 3 + "\tfmt.Println(x)\n",
+        "x := load()\n\t// TODO: validate",
+    ),
+]
+
+LOOPS_KEPT = [
+    (  # rows of numbers repeat legitimately
+        "python",
+        "def identity():\n    █\n",
+        "m = [\n        [0, 0, 0],\n        [0, 0, 0],\n        [0, 0, 0],\n    ]\n    return m\n",
+        "m = [\n        [0, 0, 0],\n        [0, 0, 0],\n        [0, 0, 0],\n    ]\n    return m",
+    ),
+    (  # so do closers
+        "javascript",
+        "function f() {\n  █\n}\n",
+        "g(() => {\n    h(() => {\n      k(() => {\n        run();\n      });\n    });\n  });\n",
+        "g(() => {\n    h(() => {\n      k(() => {\n        run();\n      });\n    });\n  });",
+    ),
+]
+
+DRIFT = [
+    (  # written from column 0 with 4-column levels; the block it opens closes at column 0
+        "javascript",
+        "function count(xs) {\n  let n = 0;\n  if (xs) {\n    n = 1;\n  }\n  █\n}\n",
+        "for (const x of xs) {\n    n += x;\n}\nreturn n;",
+        "for (const x of xs) {\n    n += x;\n  }\n  return n;",
+    ),
+    (  # right column, 4-column levels in a 2-column file
+        "typescript",
+        "export function total(items: Item[]): number {\n"
+        "  let sum = 0;\n  if (items.length) {\n    sum = 1;\n  }\n  █\n}\n",
+        "for (const item of items) {\n      sum += item.price;\n  }\n  return sum;",
+        "for (const item of items) {\n    sum += item.price;\n  }\n  return sum;",
+    ),
+    (  # 2-column levels under a tab in a tab-indented file
+        "go",
+        "func sum(xs []int) int {\n\tt := 0\n\t█\n}\n",
+        "for _, x := range xs {\n\t  t += x\n\t}\n\treturn t",
+        "for _, x := range xs {\n\t\tt += x\n\t}\n\treturn t",
+    ),
+]
+
+DRIFT_KEPT = [
+    (  # aligned arguments are not levels
+        "javascript",
+        "function f(a, b) {\n  if (a) {\n    g();\n  }\n  █\n}\n",
+        "const r = compute(a,\n                  b);\n  return r;",
+        "const r = compute(a,\n                  b);\n  return r;",
+    ),
+]
+
+LEADING_BREAK = [
+    ("python", "def area(r):\n    pi = 3.14\n    █\n", "\n    return pi * r * r\n", "return pi * r * r"),
+    ("python", "def area(r):\n    pi = 3.14\n    █", "\n    return pi * r * r\n", "return pi * r * r"),  # at the end
+    (
+        "python",
+        "class Stack:\n    def push(self, x):\n        █\n",
+        "\n        self.items.append(x)\n        return self\n",
+        "self.items.append(x)\n        return self",
+    ),
+    ("go", "func inc(x int) int {\n\ty := x + 1\n\t█\n}\n", "\n\treturn y\n}\n", "return y"),
+    (
+        "javascript",
+        "function f(xs) {\n  for (const x of xs) {\n    log(x);\n  }\n  █\n}\n",
+        "\n  if (xs.length) {\n    return xs[0];\n  }\n}\n",
+        "if (xs.length) {\n    return xs[0];\n  }",
+    ),
+]
+
+LEADING_BREAK_KEPT = [
+    # column 0: leading blank lines are spacing, not a line left behind
+    ("python", "import os\n█\n", "\n\ndef main():\n    pass\n", "\n\ndef main():\n    pass"),
+]
+
+ISSUE3 = DEDENT + CHAT + PAIRS + LOOPS + DRIFT + LEADING_BREAK
+ISSUE3_KEPT = DEDENT_KEPT + CHAT_KEPT + LOOPS_KEPT + DRIFT_KEPT + LEADING_BREAK_KEPT
+
+
+@pytest.mark.parametrize("lang,doc,generated,expected", ISSUE3 + ISSUE3_KEPT)
+def test_issue3_golden(lang: str, doc: str, generated: str, expected: str) -> None:
+    result = complete(doc, generated, lang)
+    assert result == expected
+    prefix, suffix = split(doc)
+    assert syntax_ok(prefix, result, suffix, lang)
+
+
+def test_find_stop_stops_a_loop_early() -> None:
+    """Generation stops once a loop is evident, not at max_tokens."""
+    prefix, suffix = split("def parse(line):\n    █\n")
+    generated = "fields = line.split(',')\n" + "    # todo:\n" * 3 + "    # todo:"
+    assert find_stop(generated, prefix, suffix, "python", "multi") == len("fields = line.split(',')\n    # todo:")
+
+
+def test_find_stop_leading_break_below_the_block_stops_at_once() -> None:
+    prefix, suffix = split("def mean(xs):\n    total = sum(xs)\n    █\n")
+    assert find_stop("\n", prefix, suffix, "python", "multi") is None
+    assert find_stop("\nd", prefix, suffix, "python", "multi") == 0
+
+
+def test_truncated_drops_the_half_line_in_multi_mode() -> None:
+    prefix, suffix = split("def total(xs):\n    █\n")
+    generated = "t = 0\n    for x in xs:\n        t += x\n    return t + compu"
+    assert postprocess(generated, prefix, suffix, "python", "multi", truncated=True) == (
+        "t = 0\n    for x in xs:\n        t += x"
+    )
+    # not truncated: the last line is whole (the default keeps it)
+    assert postprocess(generated, prefix, suffix, "python", "multi").endswith("return t + compu")
+    # only a half line: nothing
+    assert postprocess("t = sum(x for x in", prefix, suffix, "python", "multi", truncated=True) == ""
+    # a special token ended the text: it is complete whatever the finish reason says
+    assert postprocess("t = 0<|endoftext|>", prefix, suffix, "python", "multi", truncated=True) == "t = 0"
+
+
+def test_truncated_leaves_single_mode_alone() -> None:
+    prefix, suffix = split("    total = compute(█)\n")
+    assert postprocess("items, weights", prefix, suffix, "python", "single", truncated=True) == "items, weights"
+
+
+HEALED = [
+    # (document, healed, generated, expected): the prompt ended before `healed`
+    ("def f(x):\n    y = 1\n    █\n", "    ", "    return y\n", "return y"),
+    ("def f(x):\n    y = 1\n    █\n", "    ", "return y\n", ""),  # column 0: left the block
+    ("def f(x):\n    if x:\n        █\n", "        ", "        return 1\n    return 0\n", "return 1"),
+    ("def f(x):\n    return █\n", " ", " x + 1", "x + 1"),
+    ("def f(x):\n    return █\n", " ", "x + 1", "x + 1"),  # the model wrote no space: nothing to drop
+    ("func f() int {\n\t█\n}\n", "\t", "\treturn 1\n}\n", "return 1"),
+]
+
+
+@pytest.mark.parametrize("doc,healed,generated,expected", HEALED)
+def test_healed_prompt_output_is_realigned(doc: str, healed: str, generated: str, expected: str) -> None:
+    prefix, suffix = split(doc)
+    lang = "go" if doc.startswith("func") else "python"
+    mode = completion_mode(prefix, suffix, lang)
+    assert postprocess(generated, prefix, suffix, lang, mode, healed=healed) == expected
+    stop = _stream_stop(generated, prefix, suffix, lang, mode, 1, healed=healed)
+    cut = generated if stop is None else generated[:stop]
+    assert postprocess(cut, prefix, suffix, lang, mode, healed=healed) == expected
+
+
+def test_healed_that_does_not_match_the_cursor_is_ignored() -> None:
+    prefix, suffix = split("def f(x):\n    return █\n")
+    assert postprocess(" x", prefix, suffix, "python", "single", healed="\t") == " x"
+
+
+MODE_TREE = MODES + [
+    ("python", 'x = """\n█\n"""\n', "single"),
+    ("javascript", "const s = `\n  █\n`;\n", "single"),
+    ("c", "/* a\n   █\n*/\nint x;\n", "single"),
+    ("go", "func f() {\n\t// note\n\t█\n}\n", "multi"),
+]
+
+
+@pytest.mark.parametrize("lang,doc,mode", MODE_TREE)
+def test_completion_mode_from_the_document_tree_matches_the_parse(lang: str, doc: str, mode: str) -> None:
+    prefix, suffix = split(doc)
+    document = Document(f"file:///x.{lang}", lang, prefix + suffix)
+    tree = document.tree
+    cursor_byte = document.byte_offset(len(prefix))
+    assert completion_mode(prefix, suffix, lang) == mode
+    assert completion_mode(prefix, suffix, lang, tree=tree, cursor_byte=cursor_byte) == mode
+
+
+def test_completion_mode_from_the_tree_does_not_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    import context.postprocess as pp
+
+    prefix, suffix = split('def f():\n    """Sum.\n\n    █\n    """\n')
+    document = Document("file:///x.py", "python", prefix + suffix)
+    monkeypatch.setattr(pp, "parser_for", lambda lang: pytest.fail("parsed"))
+    cursor_byte = document.byte_offset(len(prefix))
+    assert completion_mode(prefix, suffix, "python", tree=document.tree, cursor_byte=cursor_byte) == "single"
+
+
+# --------------------------------------------------------------------------------------------
 # robustness
 
 _PIECES = list("ab (){}[]\"'`:;,.=\n\t\r #/\\<|>_｜") + ["<|endoftext|>", "<|fim_middle|>", "    ", "def f():", "}"]
@@ -396,15 +746,17 @@ def test_garbage_in_never_raises(generated: str, prefix: str, suffix: str, lang:
     assert not failures.records, [r.getMessage() for r in failures.records]
 
 
-def _stream_stop(generated: str, prefix: str, suffix: str, lang: str, mode: str, chunk: int) -> int | None:
+def _stream_stop(
+    generated: str, prefix: str, suffix: str, lang: str, mode: str, chunk: int, healed: str = ""
+) -> int | None:
     for end in range(chunk, len(generated) + chunk, chunk):
-        stop = find_stop(generated[:end], prefix, suffix, lang, mode)  # type: ignore[arg-type]
+        stop = find_stop(generated[:end], prefix, suffix, lang, mode, healed=healed)  # type: ignore[arg-type]
         if stop is not None:
             return stop
     return None
 
 
-@pytest.mark.parametrize("lang,doc,generated,expected", BLOCK_END + SUFFIX_ECHO + INDENT)
+@pytest.mark.parametrize("lang,doc,generated,expected", BLOCK_END + SUFFIX_ECHO + INDENT + ISSUE3 + ISSUE3_KEPT)
 @pytest.mark.parametrize("chunk", [1, 3, 16])
 def test_streaming_stop_agrees_with_postprocess(lang: str, doc: str, generated: str, expected: str, chunk: int) -> None:
     """Stopping where find_stop says, at any chunking, gives the same text as the whole output."""
@@ -476,3 +828,15 @@ def test_eval_middle_recovered_from_junk(name: str) -> None:
             recovered += _norm(postprocess(middle + junk, prefix, suffix, lang, mode)) in accepted
     assert counted > 0.8 * 2 * len(rows)
     assert recovered / counted >= 0.97
+
+
+@pytest.mark.parametrize("name", ["humaneval_infilling_dev.jsonl", "safim_dev.jsonl"])
+def test_eval_completion_mode_from_the_tree_matches_the_parse(name: str) -> None:
+    for r in _rows(name):
+        prefix, suffix, lang = r["prefix"], r["suffix"], r["language"]
+        document = Document("file:///x", lang, prefix + suffix)
+        if document.tree is None:
+            continue
+        cursor_byte = document.byte_offset(len(prefix))
+        tree_mode = completion_mode(prefix, suffix, lang, tree=document.tree, cursor_byte=cursor_byte)
+        assert tree_mode == completion_mode(prefix, suffix, lang), r["id"]

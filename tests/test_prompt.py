@@ -289,7 +289,7 @@ def open_doc(language: str, source: str) -> tuple[Document, int]:
     return doc, offset
 
 
-def prompt_at(doc: Document, offset: int, budget: PromptBudget = SMALL, template=PREFIX_ONLY, builder=build_prompt):
+def prompt_at(doc: Document, offset: int, budget: PromptBudget = SMALL, template=PREFIX_ONLY, builder=build_prompt, heal=False):
     return builder(
         doc.text,
         offset,
@@ -300,6 +300,7 @@ def prompt_at(doc: Document, offset: int, budget: PromptBudget = SMALL, template
         template=template,
         counter=ApproxCounter(),
         budget=budget,
+        heal=heal,
     )
 
 
@@ -442,7 +443,7 @@ TYPED = (
 )
 
 
-def type_through(builder, template=PREFIX_ONLY, budget=PromptBudget(prefix_tokens=400)):
+def type_through(builder, template=PREFIX_ONLY, budget=PromptBudget(prefix_tokens=400), heal=False):
     text = long_python_file()
     doc = Document("file:///src/long.py", "python", text)
     offset = text.index("    \n    return counts") + 4
@@ -451,7 +452,7 @@ def type_through(builder, template=PREFIX_ONLY, budget=PromptBudget(prefix_token
         line, col = doc.position_at(offset)
         doc.apply_change(ch, ((line, col), (line, col)))
         offset += 1
-        prompts.append(prompt_at(doc, offset, budget, template, builder))
+        prompts.append(prompt_at(doc, offset, budget, template, builder, heal))
     return prompts
 
 
@@ -497,6 +498,46 @@ def test_stable_part_is_a_prefix_of_the_prompt_and_hash_follows_it():
         same_line = a.text[: a.stable_chars] == b.text[: b.stable_chars]
         assert same_line == (a.key.stable_hash == b.key.stable_hash)
     assert prompts[-1].text[: prompts[-1].stable_chars].endswith("\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# token healing: the prompt ends before the whitespace that ends the cursor's line
+
+
+def test_heal_ends_the_prompt_at_the_line_start_of_an_indented_empty_line():
+    doc, offset = open_doc("python", "def area(r):\n    pi = 3.14\n    █\n\n\ndef other():\n    pass\n")
+    plain = prompt_at(doc, offset)
+    healed = prompt_at(doc, offset, heal=True)
+    assert plain.text.endswith("pi = 3.14\n    ") and plain.healed == ""
+    assert healed.text.endswith("pi = 3.14\n") and healed.healed == "    "
+    # The document's window, the stable part and the key do not change.
+    assert healed.window_prefix == plain.window_prefix
+    assert (healed.stable_chars, healed.key) == (plain.stable_chars, plain.key)
+    qwen = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"], heal=True)
+    assert "pi = 3.14\n<|fim_suffix|>" in qwen.text and qwen.healed == "    "
+
+
+def test_heal_drops_trailing_spaces_after_code_and_tabs():
+    doc, offset = open_doc("go", "package main\n\nfunc f(x int) int {\n\treturn █\n}\n")
+    healed = prompt_at(doc, offset, heal=True)
+    assert healed.text.endswith("\treturn") and healed.healed == " "
+    doc, offset = open_doc("go", "package main\n\nfunc f(x int) int {\n\t█\n}\n")
+    healed = prompt_at(doc, offset, template=TEMPLATES["starcoder2"], heal=True)
+    assert healed.text.endswith("int {\n") and healed.healed == "\t"
+    # Nothing to heal: nothing changes.
+    doc, offset = open_doc("go", "package main\n\nfunc f(x int) int {\n\treturn x█\n}\n")
+    assert prompt_at(doc, offset, heal=True).text == prompt_at(doc, offset).text
+
+
+@pytest.mark.parametrize("name", ["prefix-only", "starcoder2", "codestral"])
+def test_healed_prompts_still_only_grow_while_typing(name):
+    template = TEMPLATES[name]
+    prompts = type_through(build_prompt, template, heal=True)
+    assert any(p.healed for p in prompts)  # the typed indentation was healed
+    tail = template.middle if template.spm_join is not None else ""
+    for a, b in zip(prompts, prompts[1:]):
+        if a.key.anchor_line == b.key.anchor_line:
+            assert b.text.startswith(a.text[: len(a.text) - len(tail)])
 
 
 # ------------------------------------------------------------------------------------------------
