@@ -8,6 +8,7 @@ and the generation in flight (a newer request either attaches to it or supersede
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -198,12 +199,28 @@ class Completer:
             if on_text is not None:
                 on_text(partial)
 
+        generation_started = time.perf_counter()
         this.task = asyncio.ensure_future(
             self._generate(engine, prompt, prefix, suffix, doc.language_id, mode, settings, metrics, on_partial, started)
         )
         self._running[key] = this
+        early_s = settings.early_answer_ms / 1000 if mode == "multi" and settings.early_answer_ms > 0 else None
+        detached = False
         try:
-            raw = await asyncio.shield(this.task)
+            shown = await self._first_lines(this, early_s)
+            if shown is not None:
+                # Show the lines that are complete; the engine goes on and its result lands in the
+                # cache and the suggestion, for typed-through reuse after the user accepts these.
+                detached = True
+                this.task.add_done_callback(
+                    lambda task: self._finish_late(key, this, shown, cache_key, prefix, suffix, doc.language_id, mode)
+                )
+                if on_text is not None:
+                    on_text(shown)
+                answered = dataclasses.replace(metrics)  # the generation keeps updating ``metrics``
+                answered.engine_ms = (time.perf_counter() - generation_started) * 1000
+                return self._done(key, text, offset, shown, answered, started)
+            raw = this.task.result()
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -213,13 +230,43 @@ class Completer:
             metrics.outcome = "superseded"
             return Completion("", metrics.finish(started))
         finally:
-            if self._running.get(key) is this:
+            if not detached and self._running.get(key) is this:
                 del self._running[key]
         if raw is None:
             return Completion("", metrics.finish(started))
         final = postprocess(strip_control_tokens(raw), prefix, suffix, doc.language_id, mode)
         self.cache[cache_key] = final
         return self._done(key, text, offset, final, metrics, started)
+
+    async def _first_lines(self, this: Running, early_s: float | None) -> str | None:
+        """Waits for the generation; returns None when it is done. With ``early_s``, once that much
+        time has passed, returns the complete lines generated so far as soon as there is one.
+        Like ``asyncio.shield``: cancelling the caller does not cancel the generation."""
+        if early_s is None:
+            await asyncio.wait({this.task})
+            return None
+        done, _ = await asyncio.wait({this.task}, timeout=early_s)
+        while not done:
+            lines = complete_lines(this.partial)
+            if lines:
+                return lines
+            done, _ = await asyncio.wait({this.task}, timeout=0.02)
+        return None
+
+    def _finish_late(
+        self, key: DocKey, this: Running, shown: str, cache_key: str, prefix: str, suffix: str, language_id: str, mode: str
+    ) -> None:
+        """The generation behind an early answer ended: cache its full text, and let the shown
+        suggestion grow to it unless a newer one replaced it."""
+        if self._running.get(key) is this:
+            del self._running[key]
+        if this.task.cancelled() or this.task.exception() is not None or this.task.result() is None:
+            return
+        final = postprocess(strip_control_tokens(this.task.result()), prefix, suffix, language_id, mode)
+        self.cache[cache_key] = final
+        last = self._suggestions.get(key)
+        if last is not None and last[1] == shown and final.startswith(shown):
+            self._suggestions[key] = (last[0], final)
 
     def prompt_for(
         self, engine: Engine, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()
@@ -351,6 +398,12 @@ class Completer:
         if typed is None or not suggestion.startswith(typed) or len(typed) >= len(suggestion):
             return None
         return suggestion[len(typed) :]
+
+
+def complete_lines(text: str) -> str:
+    """``text`` up to its last line break, when that holds something to show."""
+    end = text.rfind("\n")
+    return text[:end] if end > 0 and text[:end].strip() else ""
 
 
 def _cache_key(prompt: Prompt, mode: str, settings: Settings, suffix: str) -> str:

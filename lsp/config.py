@@ -27,6 +27,9 @@ class Settings:
     context_tokens: int = 1024
     suffix_tokens: int = 256
     timeout_ms: int = 15000
+    # Multi-line completions: after this long, answer with the lines complete so far and let the
+    # engine finish into the cache (accepting them then shows the rest at once). 0 = wait for all.
+    early_answer_ms: int = 400
     fim_template: str | None = None
     max_document_bytes: int = 10_000_000
     # Per connection; editors ask at most a few times a second, so this only stops a runaway client
@@ -48,6 +51,7 @@ _LIMITS: dict[str, tuple[type, float | None, float | None]] = {
     "context_tokens": (int, 16, 131072),
     "suffix_tokens": (int, 0, 131072),
     "timeout_ms": (int, 100, 600000),
+    "early_answer_ms": (int, 0, 600000),
     "max_document_bytes": (int, 1024, 1 << 31),
     "max_requests_per_second": (float, 0.0, 10000.0),
 }
