@@ -673,6 +673,9 @@ def server_options(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
         # Off by default: with a prefix-only model, cases that share a prefix would be answered
         # from the completion cache, post-processed against another case's suffix.
         "reuse": bool(args.reuse),
+        # Quality is judged on the whole completion, not on the lines shown early while it grows.
+        "earlyAnswerMs": 0,
+        "maxRequestsPerSecond": 0,
     }
     if args.context_tokens:
         options["contextTokens"] = args.context_tokens

@@ -183,7 +183,8 @@ class Completer:
 
         prefix = text[max(0, offset - _AROUND) : offset]
         suffix = text[offset : offset + _AROUND]
-        mode = completion_mode(prefix, suffix, doc.language_id)
+        cursor_byte = doc.byte_offset(offset) if doc.tree is not None else None
+        mode = completion_mode(prefix, suffix, doc.language_id, tree=doc.tree, cursor_byte=cursor_byte)
         metrics.mode = mode
         prompt = self.prompt_for(engine, doc, offset, settings, snippets)
         cache_key = _cache_key(prompt, mode, settings, suffix)
@@ -213,7 +214,7 @@ class Completer:
                 # cache and the suggestion, for typed-through reuse after the user accepts these.
                 detached = True
                 this.task.add_done_callback(
-                    lambda task: self._finish_late(key, this, shown, cache_key, prefix, suffix, doc.language_id, mode)
+                    lambda task: self._finish_late(key, this, shown, cache_key, prompt, metrics, prefix, suffix, doc.language_id, mode)
                 )
                 if on_text is not None:
                     on_text(shown)
@@ -234,7 +235,9 @@ class Completer:
                 del self._running[key]
         if raw is None:
             return Completion("", metrics.finish(started))
-        final = postprocess(strip_control_tokens(raw), prefix, suffix, doc.language_id, mode)
+        final = postprocess(
+            strip_control_tokens(raw), prefix, suffix, doc.language_id, mode, healed=prompt.healed, truncated=metrics.truncated
+        )
         self.cache[cache_key] = final
         return self._done(key, text, offset, final, metrics, started)
 
@@ -254,7 +257,17 @@ class Completer:
         return None
 
     def _finish_late(
-        self, key: DocKey, this: Running, shown: str, cache_key: str, prefix: str, suffix: str, language_id: str, mode: str
+        self,
+        key: DocKey,
+        this: Running,
+        shown: str,
+        cache_key: str,
+        prompt: Prompt,
+        metrics: RequestMetrics,
+        prefix: str,
+        suffix: str,
+        language_id: str,
+        mode: str,
     ) -> None:
         """The generation behind an early answer ended: cache its full text, and let the shown
         suggestion grow to it unless a newer one replaced it."""
@@ -262,7 +275,10 @@ class Completer:
             del self._running[key]
         if this.task.cancelled() or this.task.exception() is not None or this.task.result() is None:
             return
-        final = postprocess(strip_control_tokens(this.task.result()), prefix, suffix, language_id, mode)
+        final = postprocess(
+            strip_control_tokens(this.task.result()), prefix, suffix, language_id, mode,
+            healed=prompt.healed, truncated=metrics.truncated,
+        )
         self.cache[cache_key] = final
         last = self._suggestions.get(key)
         if last is not None and last[1] == shown and final.startswith(shown):
@@ -283,6 +299,7 @@ class Completer:
             counter=engine.tokenizer,
             budget=PromptBudget(prefix_tokens=settings.context_tokens, suffix_tokens=settings.suffix_tokens),
             snippets=snippets,
+            heal=True,
         )
 
     async def warm(self, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()) -> bool:
@@ -354,16 +371,19 @@ class Completer:
                             metrics.cached_tokens = chunk.cached_tokens or 0
                         metrics.streamed_tokens += chunk.token_count
                         raw += chunk.text
-                        cut = find_stop(raw, prefix, suffix, language_id, mode)
+                        if chunk.finish_reason == "length":
+                            metrics.truncated = True
+                        cut = find_stop(raw, prefix, suffix, language_id, mode, healed=prompt.healed)
                         if cut is not None:
                             raw = raw[:cut]
                             break
-                        on_text(postprocess(strip_control_tokens(raw), prefix, suffix, language_id, mode))
+                        on_text(postprocess(strip_control_tokens(raw), prefix, suffix, language_id, mode, healed=prompt.healed))
                 finally:
                     # Closing the stream aborts the engine-side request when we stopped early.
                     await stream.aclose()
         except TimeoutError:
             metrics.outcome = "timeout"
+            metrics.truncated = True  # cut mid-line, like a length stop
             log.warning("completion %s hit the %d ms deadline; returning what was generated", request_id, settings.timeout_ms)
         except EngineNotReady:
             metrics.outcome = "loading"
@@ -374,7 +394,9 @@ class Completer:
             return None
         finally:
             metrics.engine_ms = (time.perf_counter() - engine_started) * 1000
-        final = postprocess(strip_control_tokens(raw), prefix, suffix, language_id, mode)
+        final = postprocess(
+            strip_control_tokens(raw), prefix, suffix, language_id, mode, healed=prompt.healed, truncated=metrics.truncated
+        )
         on_text(final)
         return raw
 
@@ -411,5 +433,6 @@ def _cache_key(prompt: Prompt, mode: str, settings: Settings, suffix: str) -> st
     which a prefix-only prompt does not contain."""
     h = hashlib.blake2b(prompt.text.encode("utf-8", "surrogatepass"), digest_size=16)
     h.update(suffix[:_REUSE_CONTEXT].encode("utf-8", "surrogatepass"))
+    h.update(prompt.healed.encode("utf-8", "surrogatepass"))  # same prompt text, other re-alignment
     h.update(f"|{mode}|{settings.max_tokens}|{settings.temperature}".encode())
     return h.hexdigest()

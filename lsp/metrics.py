@@ -23,6 +23,7 @@ class RequestMetrics:
     cache_hit: bool = False
     streamed_tokens: int = 0
     mode: str = ""
+    truncated: bool = False  # stopped by max_tokens or the deadline, not by the model or syntax
     outcome: str = "ok"  # ok | empty | cancelled | superseded | error | loading | rate_limited
 
     def finish(self, started: float) -> RequestMetrics:
