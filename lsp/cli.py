@@ -271,6 +271,10 @@ async def serve_tcp(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if os.environ.get("EMBER_DEBUG_MEMORY"):
+        import tracemalloc
+
+        tracemalloc.start()
     logging.basicConfig(
         level=args.log_level,
         filename=args.log_file,

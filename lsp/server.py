@@ -14,6 +14,7 @@ import os
 import re
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class EmberCore:
         self._backoff_s = 1.0
         self.restarts = 0
         self.metrics = Metrics()
+        self.memory_baseline: tracemalloc.Snapshot | None = None
         self.completer = Completer(lambda: self.engine, self.metrics)
 
     @property
@@ -602,9 +604,23 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         engine_stats = getattr(core.engine, "engine_stats", None)
         if callable(engine_stats):
             summary["engine"]["stats"] = engine_stats()
+        summary["process"] = process_memory(core)
         return summary
 
     return server
+
+
+def process_memory(core: EmberCore) -> dict[str, Any]:
+    """Resident memory of this process; with ``EMBER_DEBUG_MEMORY=1`` (tracemalloc started at
+    launch, slow) also the source lines whose allocations grew most since the first call."""
+    memory: dict[str, Any] = {"rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
+    if tracemalloc.is_tracing():
+        snapshot = tracemalloc.take_snapshot()
+        if core.memory_baseline is None or not core.ready:
+            core.memory_baseline = snapshot  # growth is counted from the first call once the engine is up
+        top = snapshot.compare_to(core.memory_baseline, "lineno")[:15]
+        memory["growth"] = [f"{stat.size_diff / 1024:+.0f} KiB {stat.count_diff:+d} {stat.traceback}" for stat in top]
+    return memory
 
 
 async def report_loading(ls: EmberServer) -> None:

@@ -219,7 +219,38 @@ class JsonRpcClient:
         self.notify("workspace/didChangeConfiguration", {"settings": {"ember": settings}})
 
 
-class RawLsp(JsonRpcClient):
+class ServerProcess:
+    """An ember process started by a test: its process tree, its log, and a teardown that kills
+    only what it started. Subclasses set ``proc``, ``log_file`` and ``_stderr``."""
+
+    proc: subprocess.Popen[bytes]
+    log_file: Path
+    _stderr: Any
+
+    def family(self) -> list[psutil.Process]:
+        """The server and every process below it (vLLM's engine core and workers)."""
+        parent = psutil.Process(self.proc.pid)
+        return [parent, *parent.children(recursive=True)]
+
+    def log_text(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def kill(self) -> None:
+        try:
+            family = self.family() if self.proc.poll() is None else []
+        except psutil.NoSuchProcess:
+            family = []
+        for process in reversed(family):
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(family, timeout=10)
+        self.proc.wait(timeout=10)
+        self._stderr.close()
+
+
+class RawLsp(JsonRpcClient, ServerProcess):
     """``python -m lsp --stdio`` with a :class:`JsonRpcClient` on its pipes."""
 
     def __init__(self, *args: str, log_file: Path) -> None:
@@ -239,29 +270,6 @@ class RawLsp(JsonRpcClient):
         assert self.proc.stdin is not None
         self.proc.stdin.write(data)
         self.proc.stdin.flush()
-
-    def family(self) -> list[psutil.Process]:
-        """The server and every process below it (vLLM's engine core and workers)."""
-        parent = psutil.Process(self.proc.pid)
-        return [parent, *parent.children(recursive=True)]
-
-    def log_text(self) -> str:
-        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
-
-    def kill(self) -> None:
-        """Teardown: ends the server and its descendants (only processes this client started)."""
-        try:
-            family = self.family() if self.proc.poll() is None else []
-        except psutil.NoSuchProcess:
-            family = []
-        for process in reversed(family):
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(family, timeout=10)
-        self.proc.wait(timeout=10)
-        self._stderr.close()
 
 
 def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.test_reliability import ROOT, SLOW_S, JsonRpcClient, RawLsp, assert_error, items, wait_gone
+from tests.test_reliability import ROOT, SLOW_S, JsonRpcClient, RawLsp, ServerProcess, assert_error, items, wait_gone
 
 TOKEN = "ember-test-token-" + secrets.token_hex(12)
 MARKER = "zebra_" + secrets.token_hex(8)  # source text that must never reach a log
@@ -49,7 +49,7 @@ class TcpClient(JsonRpcClient):
         self.sock.close()
 
 
-class TcpServer:
+class TcpServer(ServerProcess):
     """``python -m lsp --tcp ...``; stderr goes to a file (vLLM logs there: a pipe could fill up)."""
 
     def __init__(self, tmp: Path, *args: str) -> None:
@@ -71,27 +71,6 @@ class TcpServer:
             time.sleep(0.2)
             match = LISTENING.search(self.stderr_file.read_text(errors="replace"))
         self.address = (match.group(1), int(match.group(2)))
-
-    def family(self) -> list[psutil.Process]:
-        parent = psutil.Process(self.proc.pid)
-        return [parent, *parent.children(recursive=True)]
-
-    def log_text(self) -> str:
-        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
-
-    def kill(self) -> None:
-        try:
-            family = self.family() if self.proc.poll() is None else []
-        except psutil.NoSuchProcess:
-            family = []
-        for process in reversed(family):
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(family, timeout=10)
-        self.proc.wait(timeout=10)
-        self._stderr.close()
 
 
 def initialize_params(token: str | None) -> dict[str, Any]:
