@@ -196,6 +196,19 @@ class EmberProtocol(LanguageServerProtocol):
 
     _initialize_seen = False
 
+    def _execute_handler(self, msg_id: Any, handler: Any, callback: Any, args: Any = None, kwargs: Any = None) -> None:
+        """pygls files the future of every notification (and of every handler a generator
+        yields to) in ``_request_futures`` under a fresh uuid and never removes it: one leaked
+        future per keystroke. Remove each entry when its future is done."""
+        super()._execute_handler(msg_id, handler, callback, args, kwargs)
+        future = self._request_futures.get(msg_id)
+        if future is not None:
+            future.add_done_callback(lambda done, key=msg_id: self._forget_future(key, done))
+
+    def _forget_future(self, msg_id: Any, future: Any) -> None:
+        if self._request_futures.get(msg_id) is future:
+            del self._request_futures[msg_id]
+
     def structure_message(self, data: dict[str, Any]) -> Any:
         if "jsonrpc" not in data:
             return data  # a nested object, or a message without "jsonrpc" (handle_message answers it)

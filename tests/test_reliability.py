@@ -834,3 +834,31 @@ def test_shutdown_and_exit_stop_generation_and_leave_no_child_processes(ready):
     alive = wait_gone(family, timeout=5)
     assert not alive, f"left running 5 s after exit: {[(p.pid, p.name()) for p in alive]}"
     assert server.proc.wait(timeout=1) == 0
+
+
+# ----------------------------------------------------------------------- protocol bookkeeping
+
+
+def test_notifications_leave_no_futures_behind():
+    """pygls files a future per notification and never removes it; ember's protocol does, so a
+    long typing session does not grow the server (in-process: the protocol, no engine)."""
+    from lsp.config import Settings
+    from lsp.server import EmberCore, build_server
+
+    server = build_server(EmberCore(Settings()))
+    sent: list[bytes] = []
+    server.protocol.set_writer(type("Sink", (), {"write": lambda self, data: sent.append(data), "close": lambda self: None})())
+
+    def feed(message: dict[str, Any]) -> None:
+        server.protocol.handle_message(json.loads(json.dumps(message), object_hook=server.protocol.structure_message))
+
+    feed({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"processId": None, "capabilities": {}}})
+    uri = "file:///work/futures.py"
+    feed({"jsonrpc": "2.0", "method": "textDocument/didOpen",
+          "params": {"textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": "x = 1\n"}}})
+    for version in range(2, 202):
+        feed({"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {
+            "textDocument": {"uri": uri, "version": version},
+            "contentChanges": [{"range": rng(0, 0, 0, 0), "text": "a"}]}})
+    assert server.documents[uri].text == "a" * 200 + "x = 1\n"
+    assert len(server.protocol._request_futures) == 0, len(server.protocol._request_futures)
