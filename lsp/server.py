@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import re
@@ -364,6 +365,16 @@ class EmberServer(LanguageServer):
         self.cancel_work()
         if self._stop_event is not None:
             self._stop_event.set()
+
+    def report_server_error(self, error: Exception, source: Any) -> None:
+        """A body that is not JSON (or not UTF-8) gets JSON-RPC's Parse error (-32700, id null,
+        since its id cannot be read) as well as pygls' message to the user."""
+        if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+            # A plain dict: lsprotocol's converter would drop the null id.
+            self.protocol._send_data(
+                {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"ember: parse error: {error}"}}
+            )
+        super().report_server_error(error, source)
 
     def notify_user(self, message: str, kind: types.MessageType = types.MessageType.Error) -> None:
         """Shows a message once per distinct text, so a dead engine does not spam the editor."""

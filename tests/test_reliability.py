@@ -521,6 +521,9 @@ def test_bad_json_body_is_reported_and_the_server_keeps_answering(server):
     assert "requests" in server.stats()
     shown = server.notifications("window/showMessage", mark)
     assert len(shown) == 2 and all(m["params"]["type"] == 1 for m in shown), shown
+    with server._cv:  # JSON-RPC: Parse error, id null
+        parse_errors = [m for m in server.messages[mark:] if "id" in m and m["id"] is None and "error" in m]
+    assert [m["error"]["code"] for m in parse_errors] == [-32700, -32700], parse_errors
 
 
 def test_invalid_utf8_body_is_reported_and_the_server_keeps_answering(server):
