@@ -6,11 +6,11 @@ is any request lost, how slow does the tail get, and does memory stay bounded?
 One ``ember --tcp 127.0.0.1:0`` process (embedded vLLM, the bundled SmolLM2-135M, 1 GiB KV cache) and
 ``--sessions`` editor connections (pygls clients in this process). Each session owns every
 ``sessions``-th of ``--documents`` documents, cut from real source files (this repository's own
-Python, so that the run needs nothing fetched). In each document a stretch of ``requests / documents``
+Python, so that the run needs nothing fetched), and opens them all first. In each document a stretch of ``requests / documents``
 characters after a seeded line start is removed and typed back one key at a time: one incremental
 ``didChange`` per key, then ``textDocument/inlineCompletion``, then a pause of 40-140 ms after the
 answer, like an editor that asks on every key. All sessions type at once; documents stay open (the
-worst case for memory).
+worst case for memory), so growth after the first 10% of requests is growth per request.
 
 Checked per request: an answer arrives (no error, no timeout). Sampled every second: the resident
 memory of the ember process, and the proportional set size (PSS, shared pages split between
@@ -169,13 +169,17 @@ async def connect(address: tuple[str, int], options: dict[str, Any]) -> Language
     return client
 
 
-async def type_document(client: LanguageClient, task: Task, config: LoadConfig, report: LoadReport) -> None:
+def open_document(client: LanguageClient, task: Task) -> None:
     text = task.text[: task.start] + task.text[task.start + task.keys :]
     client.text_document_did_open(
         types.DidOpenTextDocumentParams(
             text_document=types.TextDocumentItem(uri=task.uri, language_id="python", version=0, text=text)
         )
     )
+
+
+async def type_document(client: LanguageClient, task: Task, config: LoadConfig, report: LoadReport) -> None:
+    text = task.text[: task.start] + task.text[task.start + task.keys :]
     rnd = chance(config.seed, "keys", task.uri)
     for i in range(task.keys):
         offset = task.start + i
@@ -217,6 +221,10 @@ async def type_document(client: LanguageClient, task: Task, config: LoadConfig, 
 async def run_session(address: tuple[str, int], tasks: list[Task], config: LoadConfig, report: LoadReport) -> None:
     client = await connect(address, {"maxTokens": config.max_tokens})
     try:
+        # Every document is open from the start, like an editor with many tabs: memory that grows
+        # after that grows with requests, not with documents.
+        for task in tasks:
+            open_document(client, task)
         for task in tasks:
             await type_document(client, task, config, report)
     finally:
