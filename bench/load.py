@@ -360,7 +360,9 @@ async def main() -> int:
     args = parser.parse_args()
     config = LoadConfig(args.sessions, args.documents, args.requests, args.max_tokens, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = await run_load(config, args.out.with_suffix(".log"))
+    log_path = ROOT / "bench" / ".cache" / "load-server.log"  # vLLM logs a lot: not a result
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    report = await run_load(config, log_path)
     summary = report.summary()
     print_table(summary)
     args.out.write_text(json.dumps({
