@@ -505,8 +505,14 @@ def heal_cursor_line(line: str) -> tuple[str, str]:
     itself; post-processing drops what the document already has. Only the cursor's own line is
     touched: it is the changing tail of the prompt anyway, so consecutive prompts while typing
     still extend each other (``return`` -> ``return`` -> ``return x``).
+
+    An indented empty line keeps its indentation: it tells the model which block it writes in,
+    and without it SmolLM2 answered every function-body cut of the repository bench at column 0
+    (all of them empty after post-processing).
     """
     kept = line.rstrip(" \t")
+    if not kept.strip():
+        return line, ""
     return kept, line[len(kept) :]
 
 
