@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import random
 import re
 import signal
@@ -782,6 +783,9 @@ async def run(args: argparse.Namespace) -> int:
         "strategies": strategies,
         "load_s": {},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        or None,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "loadavg_before": list(os.getloadavg())},
     }
     try:
         from tqdm import tqdm
