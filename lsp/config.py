@@ -57,6 +57,7 @@ _LIMITS: dict[str, tuple[type, float | None, float | None]] = {
 }
 
 _FIELDS = {f.name for f in dataclasses.fields(Settings)}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
 
 def snake_case(key: str) -> str:
@@ -108,7 +109,7 @@ def _validate(key: str, value: Any, source: str, raw_key: str) -> Any:
         if value not in ("ast", "naive"):
             raise ConfigError(f"{where} must be \"ast\" or \"naive\", got {value!r}")
         return value
-    if key in ("cross_file", "reuse", "warmup"):
+    if isinstance(_DEFAULTS.get(key), bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false")
         return value

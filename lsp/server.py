@@ -203,8 +203,18 @@ class EmberProtocol(LanguageServerProtocol):
         future per keystroke. Remove each entry when its future is done."""
         super()._execute_handler(msg_id, handler, callback, args, kwargs)
         future = self._request_futures.get(msg_id)
-        if future is not None:
+        if future is None:
+            return
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None:
             future.add_done_callback(lambda done, key=msg_id: self._forget_future(key, done))
+        else:
+            # Later, on the loop: shutdown cancels futures while iterating over this dict, and a
+            # cancelled future runs its callbacks at once (in the thread that finished it).
+            future.add_done_callback(lambda done, key=msg_id: loop.call_soon_threadsafe(self._forget_future, key, done))
 
     def _forget_future(self, msg_id: Any, future: Any) -> None:
         if self._request_futures.get(msg_id) is future:

@@ -171,3 +171,19 @@ async def test_wrong_settings_get_a_clear_message(client):
             break
         await asyncio.sleep(0.1)
     assert any("maxTokens must be a number" in m.message for m in client.messages), client.messages
+
+
+def test_every_setting_is_accepted_by_its_camel_case_name():
+    """A field added to Settings without a validation rule would fail at initialize (seen with
+    prefixCache): each one must accept a sensible value."""
+    import dataclasses
+
+    from lsp.config import Settings, merge_settings
+
+    special = {"engine_url": ["http://127.0.0.1:8000/v1"], "model": "some/model", "fim_template": "prefix-only",
+               "prompt_strategy": "naive"}
+    for f in dataclasses.fields(Settings):
+        camel = f.name.split("_")[0] + "".join(p.title() for p in f.name.split("_")[1:])
+        value = special.get(f.name, (not f.default) if isinstance(f.default, bool) else f.default)
+        merged = merge_settings(Settings(), {camel: value})
+        assert getattr(merged, f.name) == (tuple(value) if isinstance(value, list) else value), f.name
