@@ -42,6 +42,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -563,6 +564,8 @@ async def main() -> int:
             {
                 "args": {k: v for k, v in vars(args).items()},
                 "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
                 "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
                 "runs": runs,
                 "summary": summaries,
