@@ -260,7 +260,7 @@ def postprocess(
     """The text to insert at the cursor, or ``""`` when nothing useful remains.
 
     ``truncated``: generation stopped at its token limit (finish reason ``length``), so the last
-    line may be half written; in ``multi`` mode it is dropped (half a line is worse than none).
+    line may be half written; in ``multi`` mode it is dropped when whole lines come before it.
     ``healed``: the whitespace (or trailing spaces after code) that the prompt left out at the
     cursor (``Prompt.healed``, token healing); the model's text then starts where that
     whitespace started and is re-aligned to the cursor.
@@ -269,7 +269,7 @@ def postprocess(
 
     1. Special tokens: leading ones are dropped, the text is cut at the first other one, and a
        token cut short by the end of the stream is dropped. When ``truncated`` (multi), the text
-       after the last line break is dropped.
+       after the last line break is dropped if code comes before that break.
     2. Alignment: with ``healed`` after code, the model's copy of it is dropped from the start;
        with ``healed`` indentation (the cursor on an indented empty line), and in ``multi`` when
        the model starts with a line break there, the model's lines count from column 0: leading
@@ -1313,8 +1313,11 @@ def _final_lines(generated: str, site: _Site, mode: Mode, truncated: bool, heale
     body = generated[start:end]
     if end == len(generated):
         body = _PARTIAL_SPECIAL.sub("", body)
-        if truncated and mode == "multi":
-            body = body[: body.rfind("\n") + 1]  # the token limit cut the last line short
+        cut = body.rfind("\n") + 1
+        if truncated and mode == "multi" and body[:cut].strip():
+            # The token limit cut the last line short; it goes when whole lines come before it
+            # (a first line alone stays, as in single mode: the start of a statement beats nothing).
+            body = body[:cut]
     text = _prepare(body, site, mode, healed, final=True)
     if text is None:
         return []
