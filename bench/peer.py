@@ -287,7 +287,13 @@ async def start_ember(name: str, args: argparse.Namespace, model: Model, engine_
         if handler is not None and isinstance(value, (list, tuple)):
             handler(value)
 
+    messages: list[str] = []  # window/showMessage: why a completion failed, when one does
+
+    def on_message(params: Any) -> None:
+        messages.append(f"{time.strftime('%H:%M:%S')} {_get(params, 'message')}")
+
     client.protocol.fm.features[types.PROGRESS] = on_progress
+    client.protocol.fm.features[types.WINDOW_SHOW_MESSAGE] = on_message
     started = time.perf_counter()
     await client.start_io(*command, cwd=str(ROOT))
     await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options))
@@ -307,7 +313,7 @@ async def start_ember(name: str, args: argparse.Namespace, model: Model, engine_
         await client.shutdown_async(None)
         client.exit(None)
         await client.stop()
-        return {"command": command[1:], "options": options, "server_summary": json.loads(json.dumps(summary, default=lambda o: o._asdict() if hasattr(o, "_asdict") else str(o)))}
+        return {"command": command[1:], "options": options, "messages": messages, "server_summary": json.loads(json.dumps(summary, default=lambda o: o._asdict() if hasattr(o, "_asdict") else str(o)))}
 
     stack = Stack(name, editor, close, load_s, [args.requests], total, pids=[client._server.pid] if client._server else [])
     return stack
@@ -417,14 +423,16 @@ class LlamaVimCache:
         self.items[self.key(f"{prefix}\u00ce{middle}", suffix)] = content
 
 
-def llama_vim_context(text: str, offset: int) -> tuple[str, str, str]:
-    """(input_prefix, prompt, input_suffix) as llama.vim's ``llama#fim`` cuts them."""
+def llama_vim_context(text: str, offset: int, blank_line_from_start: bool = True) -> tuple[str, str, str]:
+    """(input_prefix, prompt, input_suffix) as llama.vim's ``llama#fim`` cuts them. llama.vim sends
+    a whitespace-only line as empty (``blank_line_from_start``), so typing indentation does not
+    change its request."""
     lines = text.split("\n")
     row = text.count("\n", 0, offset)
     col = offset - (text.rfind("\n", 0, offset) + 1)
     current = lines[row]
     cur_prefix, cur_suffix = current[:col], current[col:]
-    if not current.strip():  # a whitespace-only line starts from its beginning
+    if blank_line_from_start and not current.strip():
         cur_prefix = cur_suffix = ""
     prefix = "\n".join(lines[max(0, row - LLAMA_VIM["n_prefix"]) : row]) + "\n"
     suffix = cur_suffix + "\n" + "\n".join(lines[row + 1 : row + 1 + LLAMA_VIM["n_suffix"]]) + "\n"
@@ -494,11 +502,13 @@ class PeerEditor:
 
     async def request(self, offset: int, body: Body, kind: str, along: int = 0) -> Record:
         watch = Watch()
-        prefix, middle, suffix = llama_vim_context(self.text, offset)
+        # With ember's prompt the completion continues the exact text, indentation included, so the
+        # result cache is keyed on the exact text too.
+        prefix, middle, suffix = llama_vim_context(self.text, offset, blank_line_from_start=self.layout != "ember")
         cached = self.cache.get(prefix, middle, suffix)
         if cached is not None:
             total = watch.end(cached)
-            return self._record(body, offset, kind, along, watch, total, cached, "client-cache", 0, {})
+            return self._record(body, offset, kind, along, watch, total, self._shown(offset, cached), "client-cache", 0, {})
         if self.layout == "ember":
             prompt, stop = self.prompts.ember(self.doc, offset)
         else:
@@ -526,7 +536,20 @@ class PeerEditor:
         total = watch.end(content)
         self.cache.put(prefix, middle, suffix, content)
         extra = {"prompt_ms": prompt_ms, "finish_reason": finish, "prompt_tokens": self.prompts.tokenizer.count(prompt)}
-        return self._record(body, offset, kind, along, watch, total, content, "engine", len(prompt), extra)
+        return self._record(body, offset, kind, along, watch, total, self._shown(offset, content), "engine", len(prompt), extra)
+
+    def _shown(self, offset: int, content: str) -> str:
+        """The suggestion relative to the cursor. llama.vim's layout sends a blank line as empty, and
+        its renderer then drops as much leading whitespace of the completion as the line holds."""
+        if self.layout == "ember":
+            return content
+        start = self.text.rfind("\n", 0, offset) + 1
+        end = self.text.find("\n", offset)
+        line = self.text[start : len(self.text) if end < 0 else end]
+        if line.strip():
+            return content
+        lead = len(content) - len(content.lstrip(" \t"))
+        return content[min(lead, offset - start) :]
 
     def _record(self, body: Body, offset: int, kind: str, along: int, watch: Watch, total: float, text: str, source: str, chars: int, extra: dict[str, Any]) -> Record:
         record = Record(self.config, body.file, body.name, offset, kind, along, watch.visible_ms, watch.first_line_ms, total, text, source, chars, extra)
@@ -823,10 +846,13 @@ def busy_processes(limit: float = 20.0) -> list[str]:
 
 
 def git_commit() -> str:
+    """HEAD, with "+modified" when this script differs from it (the run used the working tree)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "bench/peer.py"], cwd=ROOT, timeout=10).returncode != 0
     except (OSError, subprocess.SubprocessError):
         return ""
+    return head + ("+modified" if dirty else "")
 
 
 # ------------------------------------------------------------------------------------ main
