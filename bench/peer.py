@@ -686,6 +686,54 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     }
 
 
+def paired(records: dict[str, list[Record]], peer: str = "peer") -> dict[str, dict[str, Any]]:
+    """The same cursor in both runs. Every configuration types the same characters, so a request at
+    the same (file, body, offset) sees the same text; which requests exist differs (typing along
+    depends on the suggestions). ``all``: every such pair, whatever answered; ``generated``: pairs
+    that both stacks generated (no cache), i.e. the serving stacks head to head."""
+    def index(recs: list[Record]) -> dict[tuple[str, str, int], Record]:
+        out: dict[tuple[str, str, int], Record] = {}
+        for r in recs:
+            out.setdefault((r.file, r.body, r.offset), r)
+        return out
+
+    base = index(records.get(peer, []))
+    result: dict[str, dict[str, Any]] = {}
+    for name, recs in records.items():
+        if name == peer:
+            continue
+        mine = index(recs)
+        both = [(mine[k], base[k]) for k in mine.keys() & base.keys()]
+        entry: dict[str, Any] = {}
+        for label, keep in (("all", lambda a, b: True), ("generated", lambda a, b: a.source == b.source == "engine")):
+            pairs = [(a, b) for a, b in both if keep(a, b) and a.visible_ms is not None and b.visible_ms is not None]
+            ratios_ = [a.visible_ms / b.visible_ms for a, b in pairs if b.visible_ms]  # type: ignore[operator]
+            lines = [(a, b) for a, b in pairs if a.first_line_ms is not None and b.first_line_ms is not None]
+            entry[label] = {
+                "n": len(pairs),
+                "visible_ms_p50": pct([a.visible_ms for a, _ in pairs], 0.5),  # type: ignore[misc]
+                "peer_visible_ms_p50": pct([b.visible_ms for _, b in pairs], 0.5),  # type: ignore[misc]
+                "visible_ratio_median": pct(ratios_, 0.5),
+                "faster_or_equal": sum(a.visible_ms <= b.visible_ms for a, b in pairs),  # type: ignore[operator]
+                "first_line_ms_p50": pct([a.first_line_ms for a, _ in lines], 0.5),  # type: ignore[misc]
+                "peer_first_line_ms_p50": pct([b.first_line_ms for _, b in lines], 0.5),  # type: ignore[misc]
+            }
+        result[name] = entry
+    return result
+
+
+def print_paired(pairs: dict[str, dict[str, Any]]) -> None:
+    if not pairs:
+        return
+    print("\nsame cursor as the peer (pairs): visible_ms p50 config / peer, median of per-pair ratios, pairs where config <= peer; first_line_ms p50 config / peer")
+    for name, entry in pairs.items():
+        for label in ("all", "generated"):
+            e = entry[label]
+            print(f"  {name:>15} {label:>9}: n={e['n']:3}  visible {fmt(e['visible_ms_p50'])} / {fmt(e['peer_visible_ms_p50'])}"
+                  f"  ratio {fmt(e['visible_ratio_median'], '.2f')}  <=peer {e['faster_or_equal']}/{e['n']}"
+                  f"  first_line {fmt(e['first_line_ms_p50'])} / {fmt(e['peer_first_line_ms_p50'])}")
+
+
 def ratios(summaries: dict[str, dict[str, Any]], peer: str = "peer") -> dict[str, dict[str, float | None]]:
     """p50 of each configuration over the peer's p50, per column."""
     base = summaries.get(peer)
@@ -941,6 +989,8 @@ async def main(argv: list[str] | None = None) -> int:
     summaries = {name: summarize(recs) for name, recs in records.items()}
     rel = ratios(summaries)
     print_table(summaries, rel)
+    pairs = paired(records)
+    print_paired(pairs)
     goal: dict[str, Any] = {}
     if "ember" in summaries and "peer" in summaries:
         e, p = summaries["ember"]["visible_ms"]["p50"], summaries["peer"]["visible_ms"]["p50"]
@@ -976,6 +1026,7 @@ async def main(argv: list[str] | None = None) -> int:
                 "turns": turns,
                 "summary": summaries,
                 "ratios_to_peer_p50": rel,
+                "paired_with_peer": pairs,
                 "goal": goal,
                 "requests": {name: [asdict(r) for r in recs] for name, recs in records.items()},
             },
