@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import ssl
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,7 +380,8 @@ class RemoteEngine:
         assert self._client is not None
         try:
             async with self._client.stream(
-                "POST", f"{replica.url}/v1/completions", json=body, headers={"X-Request-Id": request_id}
+                # A UUID: llama-cpp-python's server answers HTTP 400 to any other X-Request-Id.
+                "POST", f"{replica.url}/v1/completions", json=body, headers={"X-Request-Id": str(uuid.uuid4())}
             ) as response:
                 if response.status_code >= 400:
                     raise self._status_error(replica, response.status_code, await response.aread())
