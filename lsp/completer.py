@@ -213,9 +213,7 @@ class Completer:
                 # Show the lines that are complete; the engine goes on and its result lands in the
                 # cache and the suggestion, for typed-through reuse after the user accepts these.
                 detached = True
-                this.task.add_done_callback(
-                    lambda task: self._finish_late(key, this, shown, cache_key, prompt, metrics, prefix, suffix, doc.language_id, mode)
-                )
+                this.task.add_done_callback(lambda task: self._finish_late(key, this, shown, cache_key))
                 if on_text is not None:
                     on_text(shown)
                 answered = dataclasses.replace(metrics)  # the generation keeps updating ``metrics``
@@ -235,9 +233,7 @@ class Completer:
                 del self._running[key]
         if raw is None:
             return Completion("", metrics.finish(started))
-        final = postprocess(
-            strip_control_tokens(raw), prefix, suffix, doc.language_id, mode, healed=prompt.healed, truncated=metrics.truncated
-        )
+        final = this.partial  # _generate post-processed the finished text once
         self.cache[cache_key] = final
         return self._done(key, text, offset, final, metrics, started)
 
@@ -256,29 +252,14 @@ class Completer:
             done, _ = await asyncio.wait({this.task}, timeout=0.02)
         return None
 
-    def _finish_late(
-        self,
-        key: DocKey,
-        this: Running,
-        shown: str,
-        cache_key: str,
-        prompt: Prompt,
-        metrics: RequestMetrics,
-        prefix: str,
-        suffix: str,
-        language_id: str,
-        mode: str,
-    ) -> None:
+    def _finish_late(self, key: DocKey, this: Running, shown: str, cache_key: str) -> None:
         """The generation behind an early answer ended: cache its full text, and let the shown
         suggestion grow to it unless a newer one replaced it."""
         if self._running.get(key) is this:
             del self._running[key]
         if this.task.cancelled() or this.task.exception() is not None or this.task.result() is None:
             return
-        final = postprocess(
-            strip_control_tokens(this.task.result()), prefix, suffix, language_id, mode,
-            healed=prompt.healed, truncated=metrics.truncated,
-        )
+        final = this.partial  # _generate post-processed the finished text once
         self.cache[cache_key] = final
         last = self._suggestions.get(key)
         if last is not None and last[1] == shown and final.startswith(shown):
