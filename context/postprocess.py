@@ -38,7 +38,16 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["single", "multi"]
 
-__all__ = ["Mode", "completion_mode", "find_stop", "postprocess", "syntax_ok", "strip_special_tokens"]
+__all__ = [
+    "Mode",
+    "completion_mode",
+    "find_stop",
+    "plain_postprocess",
+    "plain_stop",
+    "postprocess",
+    "strip_special_tokens",
+    "syntax_ok",
+]
 
 _TAB = 4
 # Single mode follows brackets opened on its line through at most this many more lines.
@@ -312,6 +321,33 @@ def postprocess(
         return generated[start:end].split("\n")[0].rstrip()
     except Exception:
         return ""
+
+
+def plain_stop(generated: str, mode: Mode) -> int | None:
+    """Where the baseline without syntax stops (benchmarks' ``postprocess: "plain"``, what a
+    client that only cuts at line breaks does): a special token ends the text; ``single`` ends
+    after the first non-blank line; ``multi`` runs to the model's end or the token limit."""
+    start, end = _special_span(generated)
+    if end < len(generated):
+        return end
+    if mode == "single":
+        first = len(generated) - len(generated[start:].lstrip("\r\n")) if generated[start:].strip() else None
+        if first is not None:
+            newline = generated.find("\n", first)
+            if newline >= 0:
+                return newline
+    return None
+
+
+def plain_postprocess(generated: str, mode: Mode) -> str:
+    """The baseline's text to insert: :func:`plain_stop` applied, trailing whitespace removed.
+    No indentation, bracket, repetition or block-end handling: what ember's syntax-aware
+    :func:`postprocess` is measured against."""
+    stop = plain_stop(generated, mode)
+    text = strip_special_tokens(generated if stop is None else generated[:stop])
+    if mode == "single" and not text.strip():
+        return ""
+    return text.rstrip()
 
 
 def syntax_ok(prefix: str, completion: str, suffix: str, language_id: str) -> bool:

@@ -20,16 +20,11 @@ from cachetools import LRUCache
 
 from context.document import Document
 from context.fim import FimTemplate, choose_template, strip_control_tokens
-from context.postprocess import completion_mode, find_stop, postprocess
-from context.prompt import Prompt, PromptBudget, Snippet, build_prompt
+from context.postprocess import completion_mode, find_stop, plain_postprocess, plain_stop, postprocess
+from context.prompt import Prompt, PromptBudget, Snippet, build_naive_prompt, build_prompt
 from engine.base import Engine, EngineError, EngineNotReady, GenerationParams
 from lsp.config import Settings
 from lsp.metrics import Metrics, RequestMetrics
-
-try:
-    from context.prompt import build_naive_prompt
-except ImportError:  # pragma: no cover - until the naive baseline lands
-    build_naive_prompt = build_prompt  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +150,7 @@ class Completer:
         raise: the reason is in ``metrics.outcome`` and the log). Cancelling the caller's task
         cancels the generation (and the engine-side request) unless another request attached to it."""
         started = time.perf_counter()
-        metrics = RequestMetrics()
+        metrics = RequestMetrics(uri=key[1])
         text = doc.text
         running = self._running.get(key)
 
@@ -337,6 +332,14 @@ class Completer:
         started: float,
     ) -> str | None:
         request_id = f"ember-{next(self._ids)}"
+        plain = settings.postprocess == "plain"
+
+        def finish(raw: str, truncated: bool) -> str:
+            text = strip_control_tokens(raw)
+            if plain:
+                return plain_postprocess(text, mode)
+            return postprocess(text, prefix, suffix, language_id, mode, healed=prompt.healed, truncated=truncated)
+
         params = GenerationParams(max_tokens=settings.max_tokens, temperature=settings.temperature, stop=prompt.stop)
         raw = ""
         engine_started = time.perf_counter()
@@ -354,11 +357,14 @@ class Completer:
                         raw += chunk.text
                         if chunk.finish_reason == "length":
                             metrics.truncated = True
-                        cut = find_stop(raw, prefix, suffix, language_id, mode, healed=prompt.healed)
+                        if plain:
+                            cut = plain_stop(raw, mode)
+                        else:
+                            cut = find_stop(raw, prefix, suffix, language_id, mode, healed=prompt.healed)
                         if cut is not None:
                             raw = raw[:cut]
                             break
-                        on_text(postprocess(strip_control_tokens(raw), prefix, suffix, language_id, mode, healed=prompt.healed))
+                        on_text(finish(raw, False))
                 finally:
                     # Closing the stream aborts the engine-side request when we stopped early.
                     await stream.aclose()
@@ -375,9 +381,7 @@ class Completer:
             return None
         finally:
             metrics.engine_ms = (time.perf_counter() - engine_started) * 1000
-        final = postprocess(
-            strip_control_tokens(raw), prefix, suffix, language_id, mode, healed=prompt.healed, truncated=metrics.truncated
-        )
+        final = finish(raw, metrics.truncated)
         on_text(final)
         return raw
 
@@ -415,5 +419,5 @@ def _cache_key(prompt: Prompt, mode: str, settings: Settings, suffix: str) -> st
     h = hashlib.blake2b(prompt.text.encode("utf-8", "surrogatepass"), digest_size=16)
     h.update(suffix[:_REUSE_CONTEXT].encode("utf-8", "surrogatepass"))
     h.update(prompt.healed.encode("utf-8", "surrogatepass"))  # same prompt text, other re-alignment
-    h.update(f"|{mode}|{settings.max_tokens}|{settings.temperature}".encode())
+    h.update(f"|{mode}|{settings.max_tokens}|{settings.temperature}|{settings.postprocess}".encode())
     return h.hexdigest()

@@ -41,6 +41,9 @@ class Settings:
     reuse: bool = True  # completion cache, typed-through reuse, attaching to in-flight generations
     warmup: bool = True  # prefill the stable prompt part when a document opens or typing pauses
     prefix_cache: bool = True  # the embedded engine's KV prefix cache (read when the engine starts)
+    # "syntax": block ends, indentation, brackets and repeats handled by the tree; "plain": the
+    # model's text cut at line breaks only (the baseline that syntax_ok is measured against).
+    postprocess: str = "syntax"
 
 
 # key -> (type, lower bound, upper bound)
@@ -55,6 +58,8 @@ _LIMITS: dict[str, tuple[type, float | None, float | None]] = {
     "max_document_bytes": (int, 1024, 1 << 31),
     "max_requests_per_second": (float, 0.0, 10000.0),
 }
+
+_CHOICES: dict[str, tuple[str, ...]] = {"prompt_strategy": ("ast", "naive"), "postprocess": ("syntax", "plain")}
 
 _FIELDS = {f.name for f in dataclasses.fields(Settings)}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
@@ -105,9 +110,10 @@ def _validate(key: str, value: Any, source: str, raw_key: str) -> Any:
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where} must be a string")
         return value or None
-    if key == "prompt_strategy":
-        if value not in ("ast", "naive"):
-            raise ConfigError(f"{where} must be \"ast\" or \"naive\", got {value!r}")
+    if key in _CHOICES:
+        if value not in _CHOICES[key]:
+            choices = " or ".join(f'"{c}"' for c in _CHOICES[key])
+            raise ConfigError(f"{where} must be {choices}, got {value!r}")
         return value
     if isinstance(_DEFAULTS.get(key), bool):
         if not isinstance(value, bool):

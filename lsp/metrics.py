@@ -25,6 +25,7 @@ class RequestMetrics:
     mode: str = ""
     truncated: bool = False  # stopped by max_tokens or the deadline, not by the model or syntax
     outcome: str = "ok"  # ok | empty | cancelled | superseded | error | loading | rate_limited
+    uri: str = ""  # the document, so that a client with several requests in flight finds its own
 
     def finish(self, started: float) -> RequestMetrics:
         self.latency_ms = (time.perf_counter() - started) * 1000
@@ -60,6 +61,10 @@ class Metrics:
     @property
     def last(self) -> RequestMetrics | None:
         return self.recent[-1] if self.recent else None
+
+    def last_for(self, uri: str) -> RequestMetrics | None:
+        """The latest recorded request for ``uri`` (within the window)."""
+        return next((m for m in reversed(self.recent) if m.uri == uri), None)
 
     def summary(self) -> dict[str, object]:
         served = [m for m in self.recent if m.outcome in SERVED]

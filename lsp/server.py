@@ -459,7 +459,7 @@ class EmberServer(LanguageServer):
         offset = self.offset_of(doc, position)
         self.rate_limit.rate = self.settings.max_requests_per_second
         if not self.rate_limit.allow():
-            self.core.metrics.record(RequestMetrics(outcome="rate_limited"))
+            self.core.metrics.record(RequestMetrics(outcome="rate_limited", uri=uri))
             self.notify_user(
                 f"more than {self.settings.max_requests_per_second:g} completion requests per second from this "
                 "editor (maxRequestsPerSecond); the extra requests get empty answers",
@@ -626,8 +626,14 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
 
     @server.feature(STATS_METHOD)
     def stats(ls: EmberServer, params: Any) -> dict[str, Any]:
-        """Aggregated metrics (p50/p95), the last request's metrics, and the engine's state."""
+        """Aggregated metrics (p50/p95), the last request's metrics, and the engine's state; with
+        ``{"uri": U}`` also ``last_for_uri``, the latest request for that document (clients with
+        several requests in flight cannot rely on ``last``)."""
         summary = core.metrics.summary()
+        uri = params.get("uri") if isinstance(params, dict) else getattr(params, "uri", None)
+        if isinstance(uri, str):
+            found = core.metrics.last_for(uri)
+            summary["last_for_uri"] = found.as_dict() if found else None
         summary["engine"] = {
             "ready": core.ready,
             "error": core.engine_error,

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from context.document import Document
-from context.postprocess import completion_mode, find_stop, postprocess, syntax_ok
+from context.postprocess import Mode, completion_mode, find_stop, plain_postprocess, plain_stop, postprocess, syntax_ok
 
 CURSOR = "█"
 EVAL = Path(__file__).resolve().parents[2] / "shared" / "eval"  # ../shared beside the checkout
@@ -841,3 +841,20 @@ def test_eval_completion_mode_from_the_tree_matches_the_parse(name: str) -> None
         cursor_byte = document.byte_offset(len(prefix))
         tree_mode = completion_mode(prefix, suffix, lang, tree=document.tree, cursor_byte=cursor_byte)
         assert tree_mode == completion_mode(prefix, suffix, lang), r["id"]
+
+
+@pytest.mark.parametrize(
+    ("generated", "mode", "expected"),
+    [
+        ("x + 1\n    y = 2\n", "single", "x + 1"),
+        ("\n    return x\n    y = 2", "single", "\n    return x"),
+        ("\n\n", "single", ""),
+        ("a = 1\nb = 2\nc = 3)", "multi", "a = 1\nb = 2\nc = 3)"),  # no block end, no bracket balance
+        ("a = 1<|endoftext|>junk", "multi", "a = 1"),
+    ],
+)
+def test_plain_baseline_cuts_at_line_breaks_only(generated: str, mode: Mode, expected: str) -> None:
+    """The benchmark baseline (``postprocess: "plain"``) against which syntax_ok is measured."""
+    assert plain_postprocess(generated, mode) == expected
+    if mode == "multi" and "<|" not in generated:
+        assert plain_stop(generated, mode) is None  # runs to the token limit
