@@ -897,11 +897,19 @@ def combine(files: list[Path], out: Path | None) -> int:
             per_file[row["strategy"]].append(Record(**row))
         for strategy, rows in per_file.items():
             merged.setdefault(strategy, rows)
-    id_sets = {s: [r.id for r in rows] for s, rows in merged.items()}
-    if len({tuple(v) for v in id_sets.values()}) > 1:
-        print("warning: the strategies were run on different cases", file=sys.stderr)
+    id_sets = {s: [(r.source, r.id) for r in rows] for s, rows in merged.items()}
+    common = set.intersection(*(set(v) for v in id_sets.values())) if id_sets else set()
+    restricted = any(len(v) != len(common) for v in id_sets.values())
+    if restricted:
+        # e.g. a full run of one strategy against a --limit run of another: compare like with like.
+        print(f"the strategies were run on different cases: comparing the {len(common)} they share", file=sys.stderr)
+        merged = {s: [r for r in rows if (r.source, r.id) in common] for s, rows in merged.items()}
     first = metas[0]
     meta = {k: first.get(k) for k in ("model", "model_path", "inputs", "limit", "seed", "max_tokens")}
+    if restricted:
+        meta["common_cases"] = len(common)
+    meta["commit"] = ", ".join(dict.fromkeys(str(m.get("commit")) for m in metas if m.get("commit"))) or None
+    meta["concurrency"] = max(m.get("concurrency", 1) for m in metas)
     meta["strategies"] = list(merged)
     meta["combined_from"] = {str(p): m.get("command") for p, m in zip(files, metas)}
     for key in ("load_s", "options"):

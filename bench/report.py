@@ -209,7 +209,9 @@ def machine_line(machine: Any) -> str:
 
 
 def commit_line(commit: Any) -> str:
-    return f"- commit: {str(commit)[:12]}" if commit else "- commit: not recorded"
+    if not commit:
+        return "- commit: not recorded"
+    return "- commit: " + ", ".join(c.strip()[:12] for c in str(commit).split(","))
 
 
 def heading(title: str, path: Path) -> list[str]:
@@ -392,9 +394,16 @@ def quality(path: Path, title: str = "") -> list[str]:
         f"seed {data.get('seed', '-')}; inputs {', '.join(Path(str(i)).name for i in seq(data.get('inputs'))) or '-'}",
         "- took: model load " + (", ".join(f"{k} {v} s" for k, v in obj(get(data, "load_s")).items()) or "not recorded"),
     ]
+    if data.get("common_cases"):
+        lines.append(f"- strategies compared on the {data['common_cases']} cases that every run had")
+    if (data.get("concurrency") or 1) > 1:
+        lines.append(
+            f"- {data['concurrency']} cases in flight per server (engine batching): latencies include queueing, "
+            "not single-user latencies"
+        )
     summary = obj(get(data, "summary"))
     strategies = [s for s in summary if isinstance(summary[s], dict)]
-    lines.append(f"- prompt strategies: {' / '.join(strategies) or '-'}")
+    lines.append(f"- strategies: {' / '.join(strategies) or '-'}" + (f" ({STRATEGY_NOTE})" if len(strategies) > 1 else ""))
     if data.get("complete") is False:
         lines.append("- **incomplete**: the run was still going or was stopped when this was printed (the cases so far)")
     if data.get("warning"):
@@ -492,7 +501,11 @@ def gpu(results: Path) -> list[str]:
     return lines
 
 
-QUALITY_FILES = ("quality-smollm2.json", "quality-qwen-coder.json", "quality-qwen-coder-repo.json")
+QUALITY_FILES = ("quality-smollm2.json", "quality-qwen-coder.json", "quality-qwen-coder-compare.json")
+STRATEGY_NOTE = (
+    "ast: ember as built; naive: last-lines prompt with ember's post-processing; "
+    "plain: last-lines prompt, output cut at line breaks only"
+)
 
 
 def report(results: Path = RESULTS) -> str:

@@ -269,7 +269,8 @@ def postprocess(
     """The text to insert at the cursor, or ``""`` when nothing useful remains.
 
     ``truncated``: generation stopped at its token limit (finish reason ``length``), so the last
-    line may be half written; in ``multi`` mode it is dropped when whole lines come before it.
+    line may be half written; in ``multi`` mode it is dropped when whole lines come before it,
+    and the block ends with its last complete statement.
     ``healed``: the whitespace (or trailing spaces after code) that the prompt left out at the
     cursor (``Prompt.healed``, token healing); the model's text then starts where that
     whitespace started and is re-aligned to the cursor.
@@ -278,7 +279,9 @@ def postprocess(
 
     1. Special tokens: leading ones are dropped, the text is cut at the first other one, and a
        token cut short by the end of the stream is dropped. When ``truncated`` (multi), the text
-       after the last line break is dropped if code comes before that break.
+       after the last line break is dropped if code comes before that break, and so are the
+       lines after the last one that ends a statement (no bracket it opened left open, not a
+       bare block header).
     2. Alignment: with ``healed`` after code, the model's copy of it is dropped from the start;
        with ``healed`` indentation (the cursor on an indented empty line), and in ``multi`` when
        the model starts with a line break there, the model's lines count from column 0: leading
@@ -1362,6 +1365,23 @@ def _final_lines(generated: str, site: _Site, mode: Mode, truncated: bool, heale
     lines = [line.rstrip() for line in lines[:-1]] + lines[-1:]
     while lines and not lines[-1].strip():
         lines.pop()
+    if truncated and mode == "multi":
+        lines = _whole_statements(lines, site)
+    return lines
+
+
+def _whole_statements(lines: list[str], site: _Site) -> list[str]:
+    """A block cut by the token limit, back to its last line that ends a statement: no bracket
+    or string it opened left open, not a block header waiting for its body (``if x:``,
+    ``return self.send(``). Without such a line, the lines as they are."""
+    _, _, quote_at_cursor = _scan(site.before, site.lang)
+    for k in range(len(lines), 0, -1):
+        last = lines[k - 1].rstrip()
+        if not last.strip() or (site.lang == "python" and last.endswith(":")):
+            continue
+        _, still_open, quote = _scan("\n".join(lines[:k]), site.lang, quote_at_cursor)
+        if not still_open and quote is None:
+            return lines[:k]
     return lines
 
 

@@ -650,6 +650,44 @@ def test_truncated_drops_the_half_line_in_multi_mode() -> None:
     assert postprocess("t = 0<|endoftext|>", prefix, suffix, "python", "multi", truncated=True) == "t = 0"
 
 
+TRUNCATED_STATEMENTS = [
+    # (lang, document, generated and cut by the token limit, expected): seen on repository cuts
+    (
+        "python",
+        "class S:\n    def request(self, url, **kwargs):\n        █\n",
+        '# Send the request.\n        send_kwargs = {\n            "timeout": 1,\n        }\n'
+        "        send_kwargs.update(kwargs)\n        return self.send(\n            url,\n",
+        '# Send the request.\n        send_kwargs = {\n            "timeout": 1,\n        }\n        send_kwargs.update(kwargs)',
+    ),
+    (
+        "python",
+        "def f(x):\n    █\n",
+        "y = x + 1\n    if y > 2:\n",
+        "y = x + 1",
+    ),
+    (
+        "javascript",
+        "app.init = function init() {\n  █\n};\n",
+        "this.router = {};\n  this.lazy = function lazy() {\n    this.router = {\n      add: 1,\n",
+        "this.router = {};",
+    ),
+    (
+        "go",
+        "func f() {\n\t█\n}\n",
+        "x := 1\n\tfor i := 0; i < 3; i++ {\n\t\tx += i\n\t}\n\tfmt.Println(\"x\",\n",
+        "x := 1\n\tfor i := 0; i < 3; i++ {\n\t\tx += i\n\t}",
+    ),
+]
+
+
+@pytest.mark.parametrize("lang,doc,generated,expected", TRUNCATED_STATEMENTS)
+def test_truncated_block_ends_with_a_whole_statement(lang: str, doc: str, generated: str, expected: str) -> None:
+    prefix, suffix = split(doc)
+    got = postprocess(generated, prefix, suffix, lang, "multi", truncated=True)
+    assert got == expected
+    assert syntax_ok(prefix, got, suffix, lang)
+
+
 def test_truncated_leaves_single_mode_alone() -> None:
     prefix, suffix = split("    total = compute(█)\n")
     assert postprocess("items, weights", prefix, suffix, "python", "single", truncated=True) == "items, weights"
