@@ -681,6 +681,10 @@ def server_options(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
         # Quality is judged on the whole completion, not on the lines shown early while it grows.
         "earlyAnswerMs": 0,
         "maxRequestsPerSecond": 0,
+        # Each case is one file: with --concurrency the other cases' documents are open at the
+        # same time, and cross-file context would show a case another case's answer (HumanEval
+        # cuts several lines from one function).
+        "crossFile": False,
     }
     if args.context_tokens:
         options["contextTokens"] = args.context_tokens
