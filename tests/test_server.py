@@ -13,7 +13,7 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pygls.lsp.client import LanguageClient
 
-from tests.conftest import client_capabilities, stats, wait_ready
+from tests.conftest import client_capabilities, plain, stats, wait_ready
 
 URI = "file:///work/inventory.py"
 
@@ -159,6 +159,10 @@ async def test_completions_after_incremental_edits_match_a_full_sync(client, sam
     full_items = await inline(client, full_uri, cursor_line, cursor_char)
     assert [i.insert_text for i in full_items] == [inline_text]
     assert (await stats(client))["last"]["cache_hit"] is True
+    # Clients with several requests in flight look their own up by document.
+    by_uri = plain(await client.protocol.send_request_async("ember/stats", {"uri": URI}))
+    assert by_uri["last_for_uri"]["uri"] == URI and by_uri["last_for_uri"]["outcome"] in ("ok", "attached")
+    assert by_uri["last"]["uri"] == full_uri
     client.text_document_did_close(types.DidCloseTextDocumentParams(text_document=types.TextDocumentIdentifier(uri=full_uri)))
 
 

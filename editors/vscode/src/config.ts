@@ -17,6 +17,8 @@ export interface EmberSettings {
   debounceMs: number | undefined;
   contextTokens: number | undefined;
   temperature: number | undefined;
+  earlyAnswerMs: number | undefined;
+  maxRequestsPerSecond: number | undefined;
   /** Also show ember's item in the suggest widget (it is always shown as ghost text). */
   suggestWidget: boolean;
 }
@@ -32,6 +34,8 @@ export const DEFAULT_SETTINGS: EmberSettings = {
   debounceMs: undefined,
   contextTokens: undefined,
   temperature: undefined,
+  earlyAnswerMs: undefined,
+  maxRequestsPerSecond: undefined,
   suggestWidget: false,
 };
 
@@ -68,6 +72,8 @@ export function readSettings(get: (key: string) => unknown): EmberSettings {
     debounceMs: num(get('debounceMs'), true),
     contextTokens: num(get('contextTokens'), true),
     temperature: num(get('temperature'), false),
+    earlyAnswerMs: num(get('earlyAnswerMs'), true),
+    maxRequestsPerSecond: num(get('maxRequestsPerSecond'), false),
     suggestWidget: get('suggestWidget') === true,
   };
 }
@@ -86,6 +92,8 @@ export function toInitializationOptions(s: EmberSettings): Record<string, unknow
   if (s.debounceMs !== undefined) o.debounceMs = s.debounceMs;
   if (s.contextTokens !== undefined) o.contextTokens = s.contextTokens;
   if (s.temperature !== undefined) o.temperature = s.temperature;
+  if (s.earlyAnswerMs !== undefined) o.earlyAnswerMs = s.earlyAnswerMs;
+  if (s.maxRequestsPerSecond !== undefined) o.maxRequestsPerSecond = s.maxRequestsPerSecond;
   if (s.token) o.token = s.token;
   return o;
 }

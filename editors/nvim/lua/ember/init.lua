@@ -13,7 +13,8 @@
 --   })
 --
 -- Keys of `settings` (camelCase, all optional): model, engineUrl (string or list), maxTokens,
--- debounceMs, contextTokens, temperature, token (for TCP servers that require one).
+-- debounceMs, contextTokens, temperature, earlyAnswerMs, maxRequestsPerSecond, token (for TCP
+-- servers that require one).
 --
 -- What you get:
 -- * Neovim >= 0.12: native inline completion (ghost text, `vim.lsp.inline_completion`).

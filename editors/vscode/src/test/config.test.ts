@@ -54,6 +54,8 @@ describe('toInitializationOptions', () => {
         debounceMs: 0,
         contextTokens: 2048,
         temperature: 0,
+        earlyAnswerMs: 0,
+        maxRequestsPerSecond: 5.5,
         token: 's3cret',
         serverPath: '/opt/ember',
         tcp: 'gpu:7777',
@@ -67,6 +69,8 @@ describe('toInitializationOptions', () => {
       debounceMs: 0,
       contextTokens: 2048,
       temperature: 0,
+      earlyAnswerMs: 0,
+      maxRequestsPerSecond: 5.5,
       token: 's3cret',
     });
   });
