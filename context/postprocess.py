@@ -1373,16 +1373,26 @@ def _final_lines(generated: str, site: _Site, mode: Mode, truncated: bool, heale
 def _whole_statements(lines: list[str], site: _Site) -> list[str]:
     """A block cut by the token limit, back to its last line that ends a statement: no bracket
     or string it opened left open, not a block header waiting for its body (``if x:``,
-    ``return self.send(``). Without such a line, the lines as they are."""
+    ``return self.send(``). Without such a line, the first line alone (as when the limit cuts
+    the first line itself: the start of a statement beats nothing)."""
     _, _, quote_at_cursor = _scan(site.before, site.lang)
     for k in range(len(lines), 0, -1):
         last = lines[k - 1].rstrip()
         if not last.strip() or (site.lang == "python" and last.endswith(":")):
             continue
-        _, still_open, quote = _scan("\n".join(lines[:k]), site.lang, quote_at_cursor)
-        if not still_open and quote is None:
+        kept = "\n".join(lines[:k])
+        _, still_open, quote = _scan(kept, site.lang, quote_at_cursor)
+        if not still_open and quote is None and not _open_block_string(kept, site.lang):
             return lines[:k]
-    return lines
+    return lines[:1]
+
+
+def _open_block_string(text: str, lang: str) -> bool:
+    """Does ``text`` (starting outside any string, as multi mode does) end inside a docstring or
+    a ``/* */`` comment, which :func:`_scan` does not follow across lines?"""
+    if lang == "python":
+        return text.count('"""') % 2 == 1 or text.count("'''") % 2 == 1
+    return text.rfind("/*") > text.rfind("*/")
 
 
 def _joiner(text: str, site: _Site, mode: Mode) -> str:
