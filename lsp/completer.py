@@ -63,6 +63,7 @@ class Running:
     task: asyncio.Task[str]
     partial: str = ""  # post-processed text so far (the final text once the task is done)
     attached: int = 0  # later requests waiting on this generation
+    grew: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``partial`` changes
 
 
 @dataclass
@@ -192,6 +193,7 @@ class Completer:
 
         def on_partial(partial: str) -> None:
             this.partial = partial
+            this.grew.set()
             if on_text is not None:
                 on_text(partial)
 
@@ -244,7 +246,13 @@ class Completer:
             lines = complete_lines(this.partial)
             if lines:
                 return lines
-            done, _ = await asyncio.wait({this.task}, timeout=0.02)
+            this.grew.clear()
+            grew = asyncio.ensure_future(this.grew.wait())
+            try:
+                done, _ = await asyncio.wait({this.task, grew}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                grew.cancel()
+            done.discard(grew)
         return None
 
     def _finish_late(self, key: DocKey, this: Running, shown: str, cache_key: str) -> None:
