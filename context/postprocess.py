@@ -265,8 +265,12 @@ def postprocess(
     *,
     truncated: bool = False,
     healed: str = "",
+    partial: bool = False,
 ) -> str:
     """The text to insert at the cursor, or ``""`` when nothing useful remains.
+
+    ``partial``: the text is still streaming (a preview); the parse check of step 7 is left for
+    the final text.
 
     ``truncated``: generation stopped at its token limit (finish reason ``length``), so the last
     line may be half written; in ``multi`` mode it is dropped when whole lines come before it,
@@ -306,6 +310,10 @@ def postprocess(
        With a grammar, each candidate cut is parsed in place and kept only if it has fewer
        ERROR/MISSING nodes than the uncut text (so a needed inner ``)`` stays); without one, the
        brackets of the cursor's line are counted instead.
+    6b. Parse check (multi, final text, languages with a grammar): when inserting the block
+       adds ERROR/MISSING nodes, it is cut back to its longest run of first lines that does
+       not (``""`` when none, the first line when ``truncated``): a line at the wrong depth, a
+       header left without its body.
     7. Trailing whitespace is stripped, except what the suffix needs: when the cursor sits before
        code at the start of a line (multi), the completion ends with a line break and the line's
        indentation, and trailing spaces before code on the same line are kept (``return |x``).
@@ -316,7 +324,7 @@ def postprocess(
     """
     try:
         lang = normalize_language_id(language_id)
-        return _postprocess(generated, prefix, suffix, lang, mode, truncated=truncated, healed=healed)
+        return _postprocess(generated, prefix, suffix, lang, mode, truncated=truncated, healed=healed, partial=partial)
     except Exception:
         log.warning("postprocess failed; falling back to the first line", exc_info=True)
     try:  # a plain, safe answer rather than none
@@ -1241,6 +1249,47 @@ def _balance(text: str, prefix: str, suffix: str, site: _Site, joiner: str = "")
     return best
 
 
+_CHECK_CHARS = 2500
+
+
+def _parsing_lines(text: str, prefix: str, suffix: str, site: _Site, joiner: str, truncated: bool) -> str:
+    """The longest run of ``text``'s first lines that the document parses with: no more
+    tree-sitter ERROR/MISSING nodes than without the completion (the ``syntax_ok`` metric).
+    Catches what the line rules cannot see, e.g. a line at the wrong depth for Python
+    (``return x`` dedented out of the loop that the suffix continues, a header's body not
+    indented). Only when the whole text fails; when no first lines parse, ``""``, or the first
+    line when the token limit cut the text (it is the start of a statement, as in step 1)."""
+    parser = parser_for(site.lang)
+    if parser is None:
+        return text
+    # A few KB around the cursor, parsed once; each candidate is an edit of that tree, which
+    # tree-sitter reparses incrementally (this runs on every final multi-line answer). The same
+    # window is parsed with and without the completion, so its cut edges count the same.
+    prefix, suffix = _window(prefix, suffix, _CHECK_CHARS)
+    head = prefix.encode("utf-8", "surrogatepass")
+    tail = suffix.encode("utf-8", "surrogatepass")
+    base = parser.parse(head + tail)
+    before = _errors(base.root_node)
+    at = (prefix.count("\n"), len(head) - (head.rfind(b"\n") + 1))  # (row, byte column)
+
+    def parses(candidate: str) -> bool:
+        inserted = (candidate + joiner).encode("utf-8", "surrogatepass")
+        rows = inserted.count(b"\n")
+        end = (at[0] + rows, (at[1] if rows == 0 else 0) + len(inserted) - (inserted.rfind(b"\n") + 1))
+        tree = base.copy()
+        tree.edit(len(head), len(head), len(head) + len(inserted), at, at, end)
+        return _errors(parser.parse(head + inserted + tail, tree).root_node) <= before
+
+    if parses(text):
+        return text
+    lines = text.split("\n")
+    for k in range(len(lines) - 1, 0, -1):
+        candidate = "\n".join(lines[:k]).rstrip()
+        if candidate.strip() and parses(candidate):
+            return candidate
+    return lines[0] if truncated else ""
+
+
 def _closer_tail(text: str) -> int | None:
     """Where the closer line that ``text`` ends with starts (its first closer), if it has one
     and more lines before it."""
@@ -1268,7 +1317,10 @@ def _error_count(source: str, lang: str) -> int | None:
     parser = parser_for(lang)
     if parser is None:
         return None
-    root = parser.parse(source.encode("utf-8", "surrogatepass")).root_node
+    return _errors(parser.parse(source.encode("utf-8", "surrogatepass")).root_node)
+
+
+def _errors(root: Node) -> int:
     if not root.has_error:
         return 0
     count = 0
@@ -1324,7 +1376,7 @@ def _trim_overlap(text: str, prefix: str, suffix: str, site: _Site) -> str:
 
 
 def _postprocess(
-    generated: str, prefix: str, suffix: str, lang: str, mode: Mode, *, truncated: bool, healed: str
+    generated: str, prefix: str, suffix: str, lang: str, mode: Mode, *, truncated: bool, healed: str, partial: bool = False
 ) -> str:
     site = _site(prefix, suffix, lang)
     lines = _final_lines(generated, site, mode, truncated, healed)
@@ -1340,6 +1392,8 @@ def _postprocess(
     if not joiner:
         text = _trim_overlap(text, prefix, suffix, site)
     text = _balance(text, prefix, suffix, site, joiner)
+    if mode == "multi" and not partial:
+        text = _parsing_lines(text, prefix, suffix, site, joiner, truncated)
     if not text.strip():
         return ""
     text = text.rstrip() + joiner if (joiner or not code_follows) else text

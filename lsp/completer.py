@@ -342,11 +342,13 @@ class Completer:
         request_id = f"ember-{next(self._ids)}"
         plain = settings.postprocess == "plain"
 
-        def finish(raw: str, truncated: bool) -> str:
+        def finish(raw: str, truncated: bool, partial: bool) -> str:
             text = strip_control_tokens(raw)
             if plain:
                 return plain_postprocess(text, mode)
-            return postprocess(text, prefix, suffix, language_id, mode, healed=prompt.healed, truncated=truncated)
+            return postprocess(
+                text, prefix, suffix, language_id, mode, healed=prompt.healed, truncated=truncated, partial=partial
+            )
 
         params = GenerationParams(max_tokens=settings.max_tokens, temperature=settings.temperature, stop=prompt.stop)
         raw = ""
@@ -372,7 +374,7 @@ class Completer:
                         if cut is not None:
                             raw = raw[:cut]
                             break
-                        on_text(finish(raw, False))
+                        on_text(finish(raw, False, partial=True))
                 finally:
                     # Closing the stream aborts the engine-side request when we stopped early.
                     await stream.aclose()
@@ -389,7 +391,7 @@ class Completer:
             return None
         finally:
             metrics.engine_ms = (time.perf_counter() - engine_started) * 1000
-        final = finish(raw, metrics.truncated)
+        final = finish(raw, metrics.truncated, partial=False)
         on_text(final)
         return raw
 

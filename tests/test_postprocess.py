@@ -904,3 +904,37 @@ def test_plain_baseline_cuts_at_line_breaks_only(generated: str, mode: Mode, exp
     assert plain_postprocess(generated, mode) == expected
     if mode == "multi" and "<|" not in generated:
         assert plain_stop(generated, mode) is None  # runs to the token limit
+
+
+PARSE_CHECK = [
+    # (document, generated, expected): seen with Qwen2.5-Coder on HumanEval infilling, the cursor
+    # at column 0 of an empty line inside a block; the model's line is at the wrong depth.
+    (  # HumanEval/56/L2: the loop's body would be empty
+        'def correct(brackets):\n    depth = 0\n    for b in brackets:\n█\n            depth += 1\n'
+        "        else:\n            depth -= 1\n    return depth == 0\n",
+        "    return depth == 0\n",
+        "",
+    ),
+    (  # HumanEval/124/L9: an `except` with no `try`, under an `if` that needs a body
+        "def valid(date):\n    try:\n        day = int(date)\n        if day < 1 or day > 30:\n█\n"
+        "        return True\n    except:\n        return False\n",
+        "    except ValueError:\n        return False\n\n    return True\n",
+        "",
+    ),
+    (  # the first lines parse, the rest leaves the block the suffix continues
+        "def f(xs):\n    t = 0\n    for x in xs:\n█\n        t += 1\n    return t\n",
+        "        if x:\n            t += x\n    else:\n",
+        "        if x:\n            t += x",
+    ),
+]
+
+
+@pytest.mark.parametrize("doc,generated,expected", PARSE_CHECK)
+def test_a_block_that_breaks_the_parse_is_cut_back(doc: str, generated: str, expected: str) -> None:
+    prefix, suffix = split(doc)
+    assert completion_mode(prefix, suffix, "python") == "multi"
+    got = postprocess(generated, prefix, suffix, "python", "multi")
+    assert got.rstrip() == expected
+    assert syntax_ok(prefix, got, suffix, "python")
+    # while streaming (a preview) the parse check waits for the final text
+    assert postprocess(generated, prefix, suffix, "python", "multi", partial=True).strip() != ""
