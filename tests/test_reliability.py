@@ -48,6 +48,8 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from lsp.config import Settings
+
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 300
 # While vLLM loads (imports in a worker thread), the event loop can stall for many seconds on 2 cores.
@@ -386,8 +388,10 @@ def assert_server_text(server: RawLsp, uri: str, expected: str) -> None:
     prefix-only model's prompt holds everything before the cursor)."""
     assert_line_structure(server, uri, expected)
     line, character = end_position(expected)
-    # A fresh generation, cached under this prompt; no other open files in the prompt.
-    server.configure(reuse=False, crossFile=False)
+    # A fresh generation, cached under this prompt; no other open files in the prompt. No early
+    # answer: on a loaded machine it comes before the generation ends, and closing the document
+    # then cancels the generation before its text reaches the cache.
+    server.configure(reuse=False, crossFile=False, earlyAnswerMs=0)
     reference = fresh_uri("reference")
     try:
         before = server.stats()["requests"]
@@ -400,7 +404,7 @@ def assert_server_text(server: RawLsp, uri: str, expected: str) -> None:
         after = server.stats()
     finally:
         server.close(reference)
-        server.configure(reuse=True, crossFile=True)
+        server.configure(reuse=True, crossFile=True, earlyAnswerMs=Settings().early_answer_ms)
     if middle > before:  # a generation (nothing is generated, or recorded, after a blank prefix)
         assert after["requests"] == middle + 1 and after["last"]["cache_hit"], (
             f"the server's text for {uri} differs from the reference: {after['last']}"
