@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -639,12 +640,73 @@ def table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least this uneven if neither side is
+    better (ties left out)."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired(records: dict[str, list[Record]]) -> dict[str, dict[str, Any]]:
+    """The first strategy against each other one, case by case: where exactly one of the two is
+    right (``exact``, ``exact_line``, ``syntax_ok``), and whether the two prompts had the same
+    length in tokens (the same prompt, as a rule: a difference there is the engine's batching,
+    not the strategy). Totals can differ by a few cases that are noise; these counts say so."""
+    strategies = list(records)
+    if len(strategies) < 2:
+        return {}
+    first = {(r.source, r.id): r for r in records[strategies[0]]}
+    out: dict[str, dict[str, Any]] = {}
+    for other in strategies[1:]:
+        row: dict[str, Any] = {"cases": 0, "same_prompt_length": 0}
+        for r in records[other]:
+            a = first.get((r.source, r.id))
+            if a is None:
+                continue
+            row["cases"] += 1
+            same = a.prompt_tokens is not None and a.prompt_tokens == r.prompt_tokens
+            row["same_prompt_length"] += same
+            for metric in ("exact", "exact_line", "syntax_ok"):
+                x, y = getattr(a, metric), getattr(r, metric)
+                if x is None or y is None or bool(x) == bool(y):
+                    continue
+                key = f"{metric}:{strategies[0] if x else other}" + (":same_prompt_length" if same else "")
+                row[key] = row.get(key, 0) + 1
+        for metric in ("exact", "exact_line", "syntax_ok"):
+            wins = sum(v for k, v in row.items() if k.startswith(f"{metric}:{strategies[0]}"))
+            losses = sum(v for k, v in row.items() if k.startswith(f"{metric}:{other}"))
+            row[f"{metric}_split"] = [wins, losses]
+            row[f"{metric}_sign_p"] = round(sign_test(wins, losses), 3)
+        out[f"{strategies[0]} vs {other}"] = row
+    return out
+
+
+def paired_table(pairs: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for name, row in pairs.items():
+        first, other = name.split(" vs ")
+        lines.append(f"{name}, case by case ({row['cases']} cases, {row['same_prompt_length']} with prompts of equal length):")
+        for metric in ("exact_line", "exact", "syntax_ok"):
+            wins, losses = row[f"{metric}_split"]
+            noise = row.get(f"{metric}:{first}:same_prompt_length", 0) + row.get(f"{metric}:{other}:same_prompt_length", 0)
+            lines.append(
+                f"  {metric:10s} only {first} right {wins:4d}, only {other} right {losses:4d}"
+                f" (sign test p = {row[f'{metric}_sign_p']:.2f}; {noise} of these with prompts of equal length)"
+            )
+    return "\n".join(lines)
+
+
 def write_results(path: Path, meta: dict[str, Any], records: dict[str, list[Record]], done: bool) -> None:
     summary = {strategy: {name: summarize(rs) for name, rs in groups(recs).items()} for strategy, recs in records.items() if recs}
     payload = {
         **meta,
         "complete": done,
         "summary": summary,
+        "paired": paired(records),
         "records": [asdict(r) for recs in records.values() for r in recs],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -866,6 +928,9 @@ async def run(args: argparse.Namespace) -> int:
     print()
     print(f"model {name}, max_tokens {args.max_tokens}, {len(cases)} cases ({', '.join(Path(i).name for i in inputs)})")
     print(table(summary))
+    if len(summary) > 1:
+        print()
+        print(paired_table(paired(records)))
     print(f"\nwrote {out}")
     return 0
 
@@ -923,6 +988,9 @@ def combine(files: list[Path], out: Path | None) -> int:
     summary = {s: {g: summarize(rs) for g, rs in groups(recs).items()} for s, recs in merged.items()}
     print(f"model {meta['model']}, max_tokens {meta['max_tokens']}, combined from {', '.join(str(p) for p in files)}")
     print(table(summary))
+    if len(summary) > 1:
+        print()
+        print(paired_table(paired(merged)))
     print(f"\nwrote {out}")
     return 0
 

@@ -421,7 +421,20 @@ def quality(path: Path, title: str = "") -> list[str]:
         row = [group, n[0] if len(set(n)) == 1 else " / ".join(n)]
         row += [" / ".join(show(get(p, key)) for p in per) for _, key, show in QUALITY_COLUMNS]
         rows.append(row)
-    return lines + table(header, rows) + [""]
+    lines += table(header, rows) + [""]
+    for name, row in obj(data.get("paired")).items():
+        first, other = name.split(" vs ")
+        parts = []
+        for metric in ("exact_line", "exact", "syntax_ok"):
+            wins, losses = seq(row.get(f"{metric}_split")) or ["-", "-"]
+            parts.append(f"{metric} {wins} / {losses} (sign test p = {row.get(f'{metric}_sign_p', '-')})")
+        lines.append(
+            f"- case by case, {name} ({row.get('cases')} cases, {row.get('same_prompt_length')} with prompts of equal "
+            f"length): cases only {first} / only {other} got right: " + "; ".join(parts)
+        )
+    if data.get("paired"):
+        lines.append("")
+    return lines
 
 
 def peer_rows(rel: Json) -> list[tuple[str, Callable[[str, Json], str]]]:
