@@ -51,7 +51,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -700,6 +700,47 @@ def paired_table(pairs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+PLOT_METRICS = (("exact_line", "EM line"), ("exact", "EM"), ("edit_sim", "edit sim"), ("syntax_ok", "syntax ok"))
+
+
+def plot(results: Path) -> Path | None:
+    """Bars per case group ("/ all" rows and ALL) and metric, one colour per strategy, from a
+    results file; written next to it as .png. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return None
+    data = json.loads(results.read_text())
+    summary: dict[str, dict[str, Any]] = data["summary"]
+    strategies = list(summary)
+    groups = list(next(iter(summary.values())))
+    per_source = Counter(g.split(" / ")[0] for g in groups)
+    # A source's "/ all" row, or its only row (one language): not every language of every source.
+    names = [g for g in groups if g == "ALL" or g.endswith("/ all") or per_source[g.split(" / ")[0]] == 1]
+    fig, axes = plt.subplots(1, len(PLOT_METRICS), figsize=(4.2 * len(PLOT_METRICS), 0.45 * len(names) * len(strategies) + 1.6), sharey=True)
+    width = 0.8 / len(strategies)
+    for ax, (key, label) in zip(axes, PLOT_METRICS):
+        for k, strategy in enumerate(strategies):
+            values = [100 * (summary[strategy].get(g, {}).get(key) or 0) for g in names]
+            ax.barh([i + k * width for i in range(len(names))], values, height=width, label=strategy)
+        ax.set_title(f"{label} %")
+        ax.set_xlim(0, 100)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks([i + width * (len(strategies) - 1) / 2 for i in range(len(names))], names)
+    axes[0].invert_yaxis()
+    axes[-1].legend(loc="lower right")
+    fig.suptitle(f"bench/quality.py: {data.get('model')}, max_tokens {data.get('max_tokens')} ({results.name})")
+    fig.tight_layout()
+    png = results.with_suffix(".png")
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return png
+
+
 def write_results(path: Path, meta: dict[str, Any], records: dict[str, list[Record]], done: bool) -> None:
     summary = {strategy: {name: summarize(rs) for name, rs in groups(recs).items()} for strategy, recs in records.items() if recs}
     payload = {
@@ -713,6 +754,8 @@ def write_results(path: Path, meta: dict[str, Any], records: dict[str, list[Reco
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(path)
+    if done:
+        plot(path)
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -813,6 +856,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run nothing: merge the records of earlier result files (one strategy each, e.g. runs made "
         "in parallel) into --out and print the tables",
     )
+    parser.add_argument("--plot", type=Path, metavar="JSON", help="run nothing: draw JSON's tables as JSON.png")
     parser.add_argument(
         "--merge",
         action="store_true",
@@ -997,6 +1041,10 @@ def combine(files: list[Path], out: Path | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        png = plot(args.plot)
+        print(f"wrote {png}" if png else "no plot")
+        return 0 if png else 1
     if args.combine:
         return combine(args.combine, args.out)
     return asyncio.run(run_until_signal(args))

@@ -215,7 +215,9 @@ def commit_line(commit: Any) -> str:
 
 
 def heading(title: str, path: Path) -> list[str]:
-    return [f"### {title}", "", f"`{relative(path)}`", ""]
+    png = path.with_suffix(".png")
+    plot = f" (plot: [`{png.name}`](results/{png.name}))" if png.is_file() else ""
+    return [f"### {title}", "", f"`{relative(path)}`{plot}", ""]
 
 
 # ------------------------------------------------------------------------------------ sections
