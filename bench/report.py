@@ -463,7 +463,7 @@ def peer_rows(rel: Json) -> list[tuple[str, Callable[[str, Json], str]]]:
 def peer(path: Path) -> list[str]:
     """Time to first visible text and first complete line, ember vs llama.cpp's server, in one run."""
     data, problem = read_json(path)
-    lines = heading("ember vs llama.cpp server (bench/peer.py)", path)
+    lines = heading(f"ember vs llama.cpp server (bench/peer.py, {path.stem})", path)
     if data is None:
         return lines + [problem, ""]
     args = obj(get(data, "args"))
@@ -537,6 +537,8 @@ def report(results: Path = RESULTS) -> str:
     for name in (*QUALITY_FILES, *extra_quality):
         lines += quality(results / name)
     lines += peer(results / "peer.json")
+    for path in sorted(results.glob("peer-*.json")):  # other models (peer.py --model ... --out)
+        lines += peer(path)
     lines += gpu(results)
     return "\n".join(lines).rstrip() + "\n"
 
