@@ -283,7 +283,9 @@ class Completer:
             counter=engine.tokenizer,
             budget=PromptBudget(prefix_tokens=settings.context_tokens, suffix_tokens=settings.suffix_tokens),
             snippets=snippets,
-            heal=True,
+            # The plain baseline sends the text as it is: re-aligning a healed prompt's output is
+            # post-processing, which it goes without.
+            heal=settings.postprocess != "plain",
         )
 
     async def warm(self, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()) -> bool:
