@@ -1002,6 +1002,7 @@ def combine(files: list[Path], out: Path | None) -> int:
     """Merge result files; a strategy found in several files is taken from the first one."""
     merged: dict[str, list[Record]] = {}
     metas = []
+    sources: dict[str, str | None] = {}  # file -> the command that measured what was taken from it
     for path in files:
         data = json.loads(path.read_text())
         metas.append(data)
@@ -1009,7 +1010,12 @@ def combine(files: list[Path], out: Path | None) -> int:
         for row in data["records"]:
             per_file[row["strategy"]].append(Record(**row))
         for strategy, rows in per_file.items():
-            merged.setdefault(strategy, rows)
+            if strategy in merged:
+                continue
+            merged[strategy] = rows
+            # From an earlier combination: name the run that measured this strategy.
+            earlier = {f: c for f, c in (data.get("combined_from") or {}).items() if f"--strategy {strategy}" in (c or "")}
+            sources.update(earlier or {str(path): data.get("command")})
     id_sets = {s: [(r.source, r.id) for r in rows] for s, rows in merged.items()}
     common = set.intersection(*(set(v) for v in id_sets.values())) if id_sets else set()
     restricted = any(len(v) != len(common) for v in id_sets.values())
@@ -1024,7 +1030,7 @@ def combine(files: list[Path], out: Path | None) -> int:
     meta["commit"] = ", ".join(dict.fromkeys(str(m.get("commit")) for m in metas if m.get("commit"))) or None
     meta["concurrency"] = max(m.get("concurrency", 1) for m in metas)
     meta["strategies"] = list(merged)
-    meta["combined_from"] = {str(p): m.get("command") for p, m in zip(files, metas)}
+    meta["combined_from"] = sources
     for key in ("load_s", "options"):
         meta[key] = {s: v for m in metas for s, v in (m.get(key) or {}).items() if s in merged}
     out = out or RESULTS / f"quality-{meta['model']}.json"
