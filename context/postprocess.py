@@ -269,8 +269,8 @@ def postprocess(
 ) -> str:
     """The text to insert at the cursor, or ``""`` when nothing useful remains.
 
-    ``partial``: the text is still streaming (a preview); the parse check of step 7 is left for
-    the final text.
+    ``partial``: the text is still streaming (a preview); the parse check of step 6b is left
+    for the final text.
 
     ``truncated``: generation stopped at its token limit (finish reason ``length``), so the last
     line may be half written; in ``multi`` mode it is dropped when whole lines come before it,
@@ -341,12 +341,12 @@ def plain_stop(generated: str, mode: Mode) -> int | None:
     start, end = _special_span(generated)
     if end < len(generated):
         return end
-    if mode == "single":
-        first = len(generated) - len(generated[start:].lstrip("\r\n")) if generated[start:].strip() else None
-        if first is not None:
-            newline = generated.find("\n", first)
-            if newline >= 0:
-                return newline
+    body = generated[start:]
+    if mode == "single" and body.strip():
+        first = start + len(body) - len(body.lstrip("\r\n"))  # where the first non-blank line starts
+        newline = generated.find("\n", first)
+        if newline >= 0:
+            return newline
     return None
 
 
