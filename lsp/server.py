@@ -8,6 +8,7 @@ batches their requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -31,8 +32,8 @@ from pygls.protocol.language_server import lsp_method
 from context.document import Document, PositionError
 from context.prompt import Snippet, select_snippets
 from engine.base import Engine
-from lsp.completer import Completer
-from lsp.config import ConfigError, Settings, merge_settings
+from lsp.completer import Completer, prompt_budget
+from lsp.config import ConfigError, Settings, merge_settings, vllm_flags
 from lsp.metrics import Metrics, RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,23 @@ class RateLimit:
 
 
 class EmberCore:
-    """Process-wide state: the engine, the completion caches and the metrics."""
+    """Process-wide state: the engine, the completion caches and the metrics.
 
-    def __init__(self, settings: Settings, engine_factory: Callable[[Settings], Engine] | None = None) -> None:
+    ``long_lived``: this process serves editors for hours (TCP server, per-user daemon), so the
+    embedded engine may spend longer starting for faster decoding (compiled mode on the CPU);
+    over stdio, one editor waits for the start and eager mode stays."""
+
+    def __init__(
+        self, settings: Settings, engine_factory: Callable[[Settings], Engine] | None = None, *, long_lived: bool = False
+    ) -> None:
         self.settings = settings
-        self._engine_factory = engine_factory or default_engine_factory
+        self.long_lived = long_lived
+        self._engine_factory = engine_factory or functools.partial(default_engine_factory, long_lived=long_lived)
         self.engine: Engine | None = None
         self.engine_error: str | None = None
+        # The engine runs, but not as asked (engine arguments rejected or not applicable): shown
+        # to every editor once the engine is ready, and in ember/stats.
+        self.engine_warning: str | None = None
         self._start_task: asyncio.Task[None] | None = None
         self._restart_task: asyncio.Task[None] | None = None
         self._engine_settings = settings
@@ -137,6 +148,8 @@ class EmberCore:
             await engine.start()
             self.engine = engine
             self.engine_error = None
+            notes = (remote_engine_args_note(settings), getattr(engine, "warning", None))
+            self.engine_warning = "; ".join(note for note in notes if note) or None
         except Exception as exc:  # the reason reaches the editor through progress and messages
             self.engine_error = str(exc)
             log.error("engine failed to start: %s", exc)
@@ -156,7 +169,17 @@ class EmberCore:
             await self.engine.close()
 
 
-def default_engine_factory(settings: Settings) -> Engine:
+def remote_engine_args_note(settings: Settings) -> str | None:
+    """Engine arguments are the embedded engine's: a remote server was started with its own."""
+    if not (settings.engine_url and settings.engine_args):
+        return None
+    return (
+        "engineArgs are ignored with engineUrl: the remote server has its own; start it with "
+        f"{vllm_flags(settings.engine_arg_dict())}"
+    )
+
+
+def default_engine_factory(settings: Settings, *, long_lived: bool = False) -> Engine:
     """Remote when an engine URL is configured, else embedded vLLM (resolving the model may convert
     a GGUF file: this runs in a worker thread)."""
     if settings.engine_url:
@@ -174,7 +197,14 @@ def default_engine_factory(settings: Settings) -> Engine:
     from engine.models import resolve_model
 
     model = resolve_model(settings.model)
-    return EmbeddedEngine(EmbeddedConfig(model_path=model.path, model_name=model.name, prefix_caching=settings.prefix_cache))
+    config = EmbeddedConfig(
+        model_path=model.path,
+        model_name=model.name,
+        prefix_caching=settings.prefix_cache,
+        long_lived=long_lived,
+        engine_args=settings.engine_arg_dict(),
+    )
+    return EmbeddedEngine(config)
 
 
 class EmberProtocol(LanguageServerProtocol):
@@ -592,8 +622,9 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         except ConfigError as exc:
             ls.notify_user(str(exc))
             return
-        if (new.model, new.engine_url) != (ls.settings.model, ls.settings.engine_url) and core.engine is not None:
-            ls.notify_user("changing model or engineUrl takes effect after restarting ember", types.MessageType.Warning)
+        startup = ("model", "engine_url", "engine_args")
+        if any(getattr(new, key) != getattr(ls.settings, key) for key in startup) and core.engine is not None:
+            ls.notify_user("changing model, engineUrl or engineArgs takes effect after restarting ember", types.MessageType.Warning)
         ls.settings = new
 
     @server.feature(
@@ -634,13 +665,22 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         if isinstance(uri, str):
             found = core.metrics.last_for(uri)
             summary["last_for_uri"] = found.as_dict() if found else None
+        ready = core.ready and core.engine is not None
         summary["engine"] = {
             "ready": core.ready,
             "error": core.engine_error,
-            "model": core.engine.model.name if core.ready and core.engine else None,
+            "warning": core.engine_warning,
+            "model": core.engine.model.name if ready else None,
             "restarts": core.restarts,
             "restarting": core.restarting,
+            # What the prompt budgets of this editor's requests are shares of.
+            "max_model_len": core.engine.model.max_model_len if ready else None,
+            "budget": budget_stats(ls.settings, core.engine.model.max_model_len) if ready else None,
+            "long_lived": core.long_lived,
         }
+        engine_args = getattr(core.engine, "engine_args", None)
+        if ready and isinstance(engine_args, dict):
+            summary["engine"]["engine_args"] = engine_args
         engine_stats = getattr(core.engine, "engine_stats", None)
         if callable(engine_stats):
             summary["engine"]["stats"] = engine_stats()
@@ -648,6 +688,16 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         return summary
 
     return server
+
+
+def budget_stats(settings: Settings, max_model_len: int) -> dict[str, int]:
+    budget = prompt_budget(settings, max_model_len)
+    return {
+        "context_tokens": budget.prefix_tokens,
+        "suffix_tokens": budget.suffix_tokens,
+        "header_tokens": budget.header_tokens,
+        "cross_file_tokens": budget.snippet_tokens,
+    }
 
 
 def process_memory(core: EmberCore) -> dict[str, Any]:
@@ -664,7 +714,14 @@ def process_memory(core: EmberCore) -> dict[str, Any]:
 
 
 async def report_loading(ls: EmberServer) -> None:
-    """Work-done progress while the model loads (when the client supports it)."""
+    """Work-done progress while the model loads (when the client supports it); then what did not
+    go as asked (rejected engine arguments), to every editor that connects."""
+    await wait_for_engine(ls)
+    if ls.core.ready and ls.core.engine_warning:
+        ls.notify_user(ls.core.engine_warning, types.MessageType.Warning)
+
+
+async def wait_for_engine(ls: EmberServer) -> None:
     core = ls.core
     if core.ready:
         return
