@@ -714,14 +714,19 @@ def process_memory(core: EmberCore) -> dict[str, Any]:
 
 
 async def report_loading(ls: EmberServer) -> None:
-    """Work-done progress while the model loads (when the client supports it); then what did not
-    go as asked (rejected engine arguments), to every editor that connects."""
+    """Work-done progress while the model loads (when the client supports it); then, to every
+    editor that connects, why the engine is not available or what did not go as asked (engine
+    arguments that vLLM refused)."""
     await wait_for_engine(ls)
-    if ls.core.ready and ls.core.engine_warning:
-        ls.notify_user(ls.core.engine_warning, types.MessageType.Warning)
+    core = ls.core
+    if not core.ready and core.engine_error:
+        ls.notify_user(f"the engine is not available: {core.engine_error}")
+    elif core.ready and core.engine_warning:
+        ls.notify_user(core.engine_warning, types.MessageType.Warning)
 
 
 async def wait_for_engine(ls: EmberServer) -> None:
+    """Returns when the engine is loaded or failed to load."""
     core = ls.core
     if core.ready:
         return
@@ -734,13 +739,10 @@ async def wait_for_engine(ls: EmberServer) -> None:
         await ls.work_done_progress.create_async(token)
     except Exception as exc:
         log.debug("client refused progress token: %s", exc)
+        await core.wait_ready()
         return
     model = core.settings.model or (",".join(core.settings.engine_url) if core.settings.engine_url else "the bundled model")
     ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=f"loading {model}"))
     ready = await core.wait_ready()
     message = "model ready" if ready else f"engine failed: {core.engine_error}"
     ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
-    if not ready:
-        ls.notify_user(f"the engine is not available: {core.engine_error}")
-
-

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import EAGER
+
 REPO = Path(__file__).resolve().parents[1]
 NVIM_DIR = REPO / "editors" / "nvim"
 E2E_LUA = NVIM_DIR / "test" / "e2e.lua"
@@ -237,7 +239,7 @@ def test_nvim_tcp_connect(tmp_path: Path) -> None:
     port = free_port()
     ember = ember_command()[0]
     server = subprocess.Popen(
-        [ember, "--tcp", f"127.0.0.1:{port}", "--token", "s3cret"],
+        [ember, "--tcp", f"127.0.0.1:{port}", "--token", "s3cret", *EAGER],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "server.log", "wb"),
