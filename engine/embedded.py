@@ -40,7 +40,7 @@ class EmbeddedConfig:
     dtype: str = "bfloat16"
     prefix_caching: bool = True  # off only to measure what KV reuse buys (bench/replay.py "cold")
     # The process serves many editor sessions for hours (TCP server, per-user daemon): on the CPU,
-    # compiled mode (enforce_eager=False) decodes 1.13-1.25x faster for ~40 s more start-up.
+    # compiled mode (enforce_eager=False) decodes 1.13-1.25x faster for 40-120 s more start-up (2 cores).
     long_lived: bool = False
     # The user's vLLM engine arguments, over ember's defaults (keys: AsyncEngineArgs fields).
     engine_args: dict[str, Any] = field(default_factory=dict)

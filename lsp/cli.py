@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{useful}\n\n"
         "ember's defaults: on a GPU CUDA graphs on, prefix caching on, block_size 16, "
         "gpu_memory_utilization 0.5,\nmax_model_len up to 8192; on a CPU block_size 32, max_model_len up to 2048, "
-        "eager over --stdio and\ncompiled (enforce_eager=false: faster decoding, ~40 s longer start) with --tcp.",
+        "eager over --stdio and\ncompiled (enforce_eager=false: faster decoding, a start 40-120 s longer) with --tcp.",
     )
     transport = parser.add_mutually_exclusive_group()
     transport.add_argument("--stdio", action="store_true", help="serve one editor over stdin/stdout (default)")

@@ -15,7 +15,7 @@ from pytest_lsp import ClientServerConfig, LanguageClient
 
 DATA = Path(__file__).parent / "data"
 SERVER_ARGS = ["--max-tokens", "24", "--log-level", "INFO"]
-# TCP servers default to vLLM's compiled mode on the CPU (faster decoding for ~40 s more start-up);
+# TCP servers default to vLLM's compiled mode on the CPU (faster decoding for 40-120 s more start-up);
 # tests that do not test that default start eager, to keep CI's 2 cores in time.
 EAGER = ("--engine-arg", "enforce_eager=true")
 READY_TIMEOUT_S = 600  # generous: CI has 2 cores and several engines start at once

@@ -179,3 +179,29 @@ async def test_prompt_budget_follows_max_model_len_and_explicit_settings_win(lon
     await inline(long_context, URI, line, character)
     second = (await stats(long_context))["last"]
     assert second["prompt_tokens"] < 400, second
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU; the CPU counterpart is test_max_model_len_reaches_vllm_and_stats")
+async def test_gpu_defaults_start_with_cuda_graphs_and_small_blocks() -> None:
+    from engine.embedded import EmbeddedEngine
+    from engine.models import resolve_model
+
+    model = resolve_model(None)
+    engine = EmbeddedEngine(EmbeddedConfig(model_path=model.path, model_name=model.name, engine_args={"max_model_len": 4096}))
+    await engine.start()
+    try:
+        assert engine.warning is None
+        assert engine.engine_args["enforce_eager"] is False and engine.engine_args["block_size"] == 16
+        assert engine.engine_args["gpu_memory_utilization"] == 0.5 and engine.model.max_model_len == 4096
+    finally:
+        await engine.close()
