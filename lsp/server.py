@@ -39,6 +39,8 @@ from lsp.metrics import Metrics, RequestMetrics
 log = logging.getLogger(__name__)
 
 STATS_METHOD = "ember/stats"
+# Settings that only take effect when the engine starts (setting name -> Settings field).
+STARTUP_SETTINGS = {"model": "model", "engineUrl": "engine_url", "engineArgs": "engine_args"}
 WARMUP_PAUSE_S = 0.4
 SNIPPET_CHARS = 880  # cross-file context: within the prompt builder's snippet budget (256 tokens)
 SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
@@ -110,6 +112,11 @@ class EmberCore:
             self.restart_engine()
             return False
         return self.engine is not None and self.engine.ready
+
+    @property
+    def engine_settings(self) -> Settings:
+        """The settings the engine was (or is being) started with."""
+        return self._engine_settings
 
     @property
     def restarting(self) -> bool:
@@ -569,6 +576,14 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
     async def initialized(ls: EmberServer, params: types.InitializedParams) -> None:
         """Starts loading the model and shows its progress."""
         core.start_engine(ls.settings)
+        ignored = [name for name, key in STARTUP_SETTINGS.items() if getattr(ls.settings, key) != getattr(core.engine_settings, key)]
+        if ignored:
+            # A shared engine (TCP server, daemon) was started before this editor connected.
+            ls.notify_user(
+                f"this ember's engine was already started with its own {', '.join(ignored)}; "
+                "the ones in your settings are not used (pass them where ember is started)",
+                types.MessageType.Warning,
+            )
         await report_loading(ls)
 
     @server.feature(types.SHUTDOWN)
@@ -622,8 +637,7 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         except ConfigError as exc:
             ls.notify_user(str(exc))
             return
-        startup = ("model", "engine_url", "engine_args")
-        if any(getattr(new, key) != getattr(ls.settings, key) for key in startup) and core.engine is not None:
+        if any(getattr(new, key) != getattr(ls.settings, key) for key in STARTUP_SETTINGS.values()) and core.engine is not None:
             ls.notify_user("changing model, engineUrl or engineArgs takes effect after restarting ember", types.MessageType.Warning)
         ls.settings = new
 

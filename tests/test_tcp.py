@@ -129,3 +129,26 @@ async def test_tcp_server_is_long_lived_and_an_explicit_engine_arg_wins(tcp_serv
         assert engine["max_model_len"] == 2048 and engine["budget"]["context_tokens"] == 1024
     finally:
         await disconnect(client)
+
+
+async def test_engine_settings_of_a_later_editor_are_reported_as_not_used(tcp_server):
+    """The shared engine started with the server's command line; an editor's engineArgs cannot
+    change it, and the editor is told so instead of silently getting another context length."""
+    client = LanguageClient("tcp-test", "1")
+    messages: list[str] = []
+    client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: messages.append(params.message))
+    await client.start_tcp(*tcp_server)
+    await client.initialize_async(
+        types.InitializeParams(capabilities=client_capabilities(), initialization_options={"engineArgs": {"max_model_len": 4096}})
+    )
+    client.initialized(types.InitializedParams())
+    try:
+        engine = (await wait_ready(client))["engine"]
+        for _ in range(50):
+            if messages:
+                break
+            await asyncio.sleep(0.1)
+        assert any("already started with its own engineArgs" in m for m in messages), messages
+        assert engine["max_model_len"] == 2048
+    finally:
+        await disconnect(client)
