@@ -86,7 +86,7 @@ def engine_args_problem(engine_args: dict[str, Any]) -> str | None:
         return f"unknown vLLM engine argument {', '.join(unknown)}: not a field of vllm.AsyncEngineArgs"
     try:
         AsyncEngineArgs(**engine_args).create_engine_config()
-    except Exception as exc:  # vLLM's own message says which value and why
+    except Exception as exc:  # noqa: BLE001 - pydantic, ValueError, TypeError...: vLLM says which value and why
         return f"vLLM rejected the engine arguments: {_first_lines(exc)}"
     return None
 
@@ -189,7 +189,7 @@ class EmbeddedEngine:
             if problem is None:
                 try:
                     llm = await self._create({**defaults, **overrides}, cpu)
-                except Exception as exc:  # found only while starting: memory, devices, kernels
+                except Exception as exc:  # noqa: BLE001 - found only while starting: memory, devices, kernels
                     problem = f"vLLM could not start with them: {_first_lines(exc)}"
             if problem is not None:
                 self.warning = f"engine arguments {_shown(overrides)} not applied: {problem}; started with ember's defaults instead"

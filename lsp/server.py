@@ -679,25 +679,26 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         if isinstance(uri, str):
             found = core.metrics.last_for(uri)
             summary["last_for_uri"] = found.as_dict() if found else None
-        ready = core.ready and core.engine is not None
-        summary["engine"] = {
+        engine = core.engine if core.ready else None
+        state: dict[str, Any] = {
             "ready": core.ready,
             "error": core.engine_error,
             "warning": core.engine_warning,
-            "model": core.engine.model.name if ready else None,
+            "model": engine.model.name if engine is not None else None,
             "restarts": core.restarts,
             "restarting": core.restarting,
             # What the prompt budgets of this editor's requests are shares of.
-            "max_model_len": core.engine.model.max_model_len if ready else None,
-            "budget": budget_stats(ls.settings, core.engine.model.max_model_len) if ready else None,
+            "max_model_len": engine.model.max_model_len if engine is not None else None,
+            "budget": budget_stats(ls.settings, engine.model.max_model_len) if engine is not None else None,
             "long_lived": core.long_lived,
         }
-        engine_args = getattr(core.engine, "engine_args", None)
-        if ready and isinstance(engine_args, dict):
-            summary["engine"]["engine_args"] = engine_args
+        engine_args = getattr(engine, "engine_args", None)
+        if isinstance(engine_args, dict):
+            state["engine_args"] = engine_args
         engine_stats = getattr(core.engine, "engine_stats", None)
         if callable(engine_stats):
-            summary["engine"]["stats"] = engine_stats()
+            state["stats"] = engine_stats()
+        summary["engine"] = state
         summary["process"] = process_memory(core)
         return summary
 

@@ -18,7 +18,13 @@ from pygls.lsp.client import LanguageClient
 from context.prompt import PromptBudget
 from engine.embedded import EmbeddedConfig, ember_engine_args, engine_args_problem
 from lsp.completer import prompt_budget
-from lsp.config import ConfigError, Settings, merge_settings, parse_engine_arg, vllm_flags
+from lsp.config import (
+    ConfigError,
+    Settings,
+    merge_settings,
+    parse_engine_arg,
+    vllm_flags,
+)
 from lsp.server import EmberCore
 from tests.conftest import client_capabilities, stats, wait_ready
 from tests.test_server import inline, open_doc
@@ -105,7 +111,7 @@ def test_engine_args_problem_reports_vllms_own_words() -> None:
 def test_cli_refuses_engine_args_with_an_engine_url() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lsp", "--engine-url", "http://127.0.0.1:9/v1", "--engine-arg", "max_model_len=4096"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2
     assert "--engine-arg is for the embedded engine" in done.stderr and "--max-model-len 4096" in done.stderr
