@@ -7,6 +7,7 @@ environment variables differ, and they are set before vLLM is imported.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import time
@@ -91,11 +92,14 @@ class EmbeddedEngine:
 
     async def start(self) -> None:
         started = time.monotonic()
-        cpu = _on_cpu()
+        # Importing torch and vLLM is seconds of Python: in a thread, so that the event loop keeps
+        # answering editors meanwhile (a daemon's new clients too).
+        cpu = await asyncio.to_thread(_on_cpu)
         if cpu:
             _cpu_defaults()
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         try:
+            await asyncio.to_thread(importlib.import_module, "vllm.v1.engine.async_llm")
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:

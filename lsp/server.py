@@ -28,9 +28,10 @@ from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
-from context.document import Document, PositionError
+from context.document import Document, PositionError, utf16_position
 from context.prompt import Snippet, select_snippets
 from engine.base import Engine
+from lsp import VERSION
 from lsp.completer import Completer
 from lsp.config import ConfigError, Settings, merge_settings
 from lsp.metrics import Metrics, RequestMetrics
@@ -47,7 +48,6 @@ def import_lines(text: str) -> str:
     """The lines that decide which other files matter; the cross-file choice is redone only when
     they (or the other files) change, not on every keystroke."""
     return "\n".join(line for line in text[:20_000].splitlines() if line.lstrip().startswith(("import ", "from ", "#include", "use ", "require(")) or " require(" in line)
-VERSION = "0.1.0"
 
 
 class UnknownDocument(JsonRpcException):
@@ -89,6 +89,9 @@ class EmberCore:
         self._engine_settings = settings
         self._backoff_s = 1.0
         self.restarts = 0
+        self.engine_starts = 0
+        # What the process serving this core says of itself in ember/stats (the daemon sets it).
+        self.host_info: Callable[[], dict[str, Any]] | None = None
         self.metrics = Metrics()
         self.memory_baseline: tracemalloc.Snapshot | None = None
         self.completer = Completer(lambda: self.engine, self.metrics)
@@ -132,6 +135,7 @@ class EmberCore:
         return self._start_task
 
     async def _start(self, settings: Settings) -> None:
+        self.engine_starts += 1
         try:
             engine = await asyncio.to_thread(self._engine_factory, settings)
             await engine.start()
@@ -404,16 +408,8 @@ class EmberServer(LanguageServer):
 
     def to_utf16(self, doc: Document, line: int, character: int) -> tuple[int, int]:
         """Positions arrive in the negotiated encoding; documents count UTF-16 units."""
-        encoding = self.protocol.server_capabilities.position_encoding if self.protocol.server_capabilities else None
-        if encoding in (None, types.PositionEncodingKind.Utf16) or line < 0 or line >= doc.line_count:
-            return line, character
-        text = doc.line_text(line)
-        if encoding == types.PositionEncodingKind.Utf8:
-            prefix = text.encode("utf-8", "surrogatepass")[: max(character, 0)].decode("utf-8", "ignore")
-        else:  # utf-32: code points
-            prefix = text[: max(character, 0)]
-        extra = max(0, character - len(prefix)) if encoding != types.PositionEncodingKind.Utf8 else 0
-        return line, len(prefix.encode("utf-16-le", "surrogatepass")) // 2 + extra
+        capabilities = self.protocol.server_capabilities
+        return utf16_position(doc, line, character, capabilities.position_encoding if capabilities else None)
 
     def offset_of(self, doc: Document, position: types.Position) -> int:
         line, character = self.to_utf16(doc, position.line, position.character)
@@ -640,11 +636,13 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
             "model": core.engine.model.name if core.ready and core.engine else None,
             "restarts": core.restarts,
             "restarting": core.restarting,
+            "starts": core.engine_starts,
         }
         engine_stats = getattr(core.engine, "engine_stats", None)
         if callable(engine_stats):
             summary["engine"]["stats"] = engine_stats()
-        summary["process"] = process_memory(core)
+        summary["process"] = {"pid": os.getpid(), **process_memory(core)}
+        summary["daemon"] = core.host_info() if core.host_info is not None else None
         return summary
 
     return server
