@@ -272,7 +272,7 @@ class EmberEditor(Editor):
 
 async def start_ember(name: str, args: argparse.Namespace, model: Model, engine_url: str | None) -> Stack:
     options = {"maxTokens": args.max_tokens, "timeoutMs": args.timeout_ms}
-    command = [sys.executable, "-m", "lsp", "--stdio", "--log-level", "WARNING"]
+    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
     if engine_url:
         command += ["--engine-url", engine_url]  # the model is what the server lists: its alias
     elif model.ember_arg:

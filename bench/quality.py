@@ -490,7 +490,7 @@ class Server:
         self._drain: asyncio.Task[None] | None = None
 
     async def start(self) -> float:
-        command = [sys.executable, "-m", "lsp", "--stdio", "--log-level", "WARNING"]
+        command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
         if self.model_path:
             command += ["--model", self.model_path]
 

@@ -304,7 +304,7 @@ class Server:
 
 async def start_server(name: str, args: argparse.Namespace) -> Server:
     options = {"maxTokens": args.max_tokens, **CONFIGS[name]}
-    command = [sys.executable, "-m", "lsp", "--stdio", "--log-level", "WARNING"]
+    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
     if args.model:
         command += ["--model", args.model]
     for engine_arg in args.engine_arg:

@@ -270,6 +270,22 @@ class Document:
         )
 
 
+def utf16_position(doc: Document, line: int, character: int, encoding: str | None) -> tuple[int, int]:
+    """An LSP position counted in ``encoding`` ("utf-8", "utf-16", "utf-32", as negotiated in
+    ``initialize``; None is UTF-16) as the UTF-16 position documents count in. Lines outside the
+    document are left for the caller's own range rules."""
+    if encoding in (None, "utf-16") or line < 0 or line >= doc.line_count:
+        return line, character
+    text = doc.line_text(line)
+    if encoding == "utf-8":
+        prefix = text.encode("utf-8", "surrogatepass")[: max(character, 0)].decode("utf-8", "ignore")
+        extra = 0
+    else:  # utf-32: code points
+        prefix = text[: max(character, 0)]
+        extra = max(0, character - len(prefix))
+    return line, len(prefix.encode("utf-16-le", "surrogatepass")) // 2 + extra
+
+
 def _clean(text: str) -> tuple[str, bytes]:
     """The text made valid Unicode without changing its UTF-16 length, and its UTF-8 encoding."""
     try:

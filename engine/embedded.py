@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import difflib
+import importlib
 import logging
 import os
 import time
@@ -167,12 +168,15 @@ class EmbeddedEngine:
 
     async def start(self) -> None:
         started = time.monotonic()
-        cpu = _on_cpu()
+        # Importing torch and vLLM is seconds of Python: in a thread, so that the event loop keeps
+        # answering editors meanwhile (a daemon's new clients too).
+        cpu = await asyncio.to_thread(_on_cpu)
         if cpu:
             _cpu_defaults()
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         try:
-            import vllm  # noqa: F401  (installed? the engine modules are imported where used)
+            # The engine modules are imported where used, once imported here in the worker thread.
+            await asyncio.to_thread(importlib.import_module, "vllm.v1.engine.async_llm")
         except ImportError as exc:
             raise EngineError(
                 f"vLLM is not installed ({exc}): install ember-lsp[cpu] or ember-lsp[gpu], "

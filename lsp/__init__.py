@@ -1,0 +1,3 @@
+"""ember's protocol edge."""
+
+VERSION = "0.1.0"

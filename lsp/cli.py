@@ -8,19 +8,22 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import signal
 import ssl
 import sys
 import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from typing import Awaitable, Protocol
-
-from pygls.io_ import StdinAsyncReader, StdoutWriter, run_async
-
+from lsp import VERSION
 from lsp.config import USEFUL_ENGINE_ARGS, ConfigError, Settings, merge_settings, parse_engine_arg, vllm_flags
-from lsp.metrics import prometheus_text
-from lsp.server import VERSION, EmberCore, build_server, close_and_exit
+from lsp.framing import ResyncReader
+
+if TYPE_CHECKING:
+    from lsp.server import EmberCore
+
+# The server (pygls, lsprotocol, tree-sitter, and through the engine vLLM) is imported only by the
+# commands that serve: `ember --stdio` with the daemon is a forwarder that must start at once.
 
 log = logging.getLogger("ember")
 
@@ -36,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{useful}\n\n"
         "ember's defaults: on a GPU CUDA graphs on, prefix caching on, block_size 16, "
         "gpu_memory_utilization 0.5,\nmax_model_len up to 8192; on a CPU block_size 32, max_model_len up to 2048, "
-        "eager over --stdio and\ncompiled (enforce_eager=false: faster decoding, a start 40-120 s longer) with --tcp.",
+        "compiled\n(enforce_eager=false: faster decoding, a start 40-120 s longer) in the daemon and with --tcp, "
+        "eager with\n--stdio --daemon off.",
     )
     transport = parser.add_mutually_exclusive_group()
     transport.add_argument("--stdio", action="store_true", help="serve one editor over stdin/stdout (default)")
@@ -100,11 +104,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="let pygls log protocol traces (messages sent in full, e.g. completions, and the initialize "
         "params) at --log-level INFO/DEBUG; off by default so that logs hold no source code",
     )
+    parser.add_argument(
+        "--daemon",
+        default=os.environ.get("EMBER_DAEMON", "auto"),
+        metavar="auto|off|SOCKET",
+        help="with stdio: 'auto' (default, or $EMBER_DAEMON) forwards to this user's shared daemon for the same "
+        "engine settings, starting it when none runs; 'off' serves in this process (its own engine); a socket "
+        "path joins that running daemon. See also `ember daemon status|stop`",
+    )
+    parser.add_argument(
+        "--daemon-idle-s",
+        type=float,
+        default=float(os.environ["EMBER_DAEMON_IDLE_S"]) if os.environ.get("EMBER_DAEMON_IDLE_S") else None,
+        metavar="SECONDS",
+        help="a daemon started by this ember exits after this long without an editor (default 300, or "
+        "$EMBER_DAEMON_IDLE_S)",
+    )
     parser.add_argument("--version", action="version", version=f"ember {VERSION}")
     return parser.parse_args(argv)
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
+def cli_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line, with the camelCase keys of initializationOptions."""
     options = {
         "model": args.model,
         "engineUrl": args.engine_url or None,
@@ -116,7 +137,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "fimTemplate": args.fim_template,
         "engineArgs": [parse_engine_arg(text) for text in args.engine_arg] or None,
     }
-    return merge_settings(Settings(), {k: v for k, v in options.items() if v is not None}, source="command line")
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return merge_settings(Settings(), cli_options(args), source="command line")
 
 
 class RedactSecret(logging.Filter):
@@ -154,6 +179,7 @@ def is_loopback(host: str) -> bool:
 
 async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
     """A minimal HTTP endpoint for Prometheus; loopback only, it reveals no source text."""
+    from lsp.metrics import prometheus_text
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -174,58 +200,18 @@ async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
     return await asyncio.start_server(answer, "127.0.0.1", port)
 
 
-class AsyncReader(Protocol):
-    def readline(self) -> Awaitable[bytes]: ...
-
-    def readexactly(self, n: int) -> Awaitable[bytes]: ...
-
-
-# Raw CR LF bytes cannot occur inside a JSON text's strings, so this inside a body means that the
-# body's Content-Length was wrong and the next message's header was swallowed.
-_HEADER = re.compile(rb"Content-Length: \d+\r\n")
-
-
-class ResyncReader:
-    """Wraps pygls' reader so that a wrong Content-Length costs one message, not the connection.
-
-    pygls only recognises a header at the start of a line: after a body that was declared too short,
-    the next header arrives glued to the leftover bytes; after one declared too long, the body holds
-    the next header. Either way every later message would be lost. Here a header found inside a line
-    or a body starts a new message; the broken one is reported as unreadable JSON."""
-
-    def __init__(self, inner: AsyncReader) -> None:
-        self.inner = inner
-        self.pending = b""
-
-    async def readline(self) -> bytes:
-        end = self.pending.find(b"\n")
-        if end >= 0:
-            line, self.pending = self.pending[: end + 1], self.pending[end + 1 :]
-        else:
-            line, self.pending = self.pending + await self.inner.readline(), b""
-        start = line.find(b"Content-Length: ")
-        if start > 0:
-            log.warning("dropped %d bytes before a Content-Length header (a wrong length before it?)", start)
-            line = line[start:]
-        return line
-
-    async def readexactly(self, n: int) -> bytes:
-        body, self.pending = self.pending[:n], self.pending[n:]
-        if len(body) < n:
-            body += await self.inner.readexactly(n - len(body))
-        header = _HEADER.search(body)
-        if header:
-            log.warning("a message body holds the next header: its Content-Length was too long")
-            body, self.pending = body[: header.start()], body[header.start() :] + self.pending
-        return body
-
-
 def stop_on_sigterm(core: EmberCore) -> None:
+    from lsp.server import close_and_exit
+
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(close_and_exit(core, 0)))
 
 
 async def serve_stdio(core: EmberCore, metrics_port: int | None = None) -> None:
+    from pygls.io_ import StdinAsyncReader, StdoutWriter, run_async
+
+    from lsp.server import build_server, close_and_exit
+
     if metrics_port is not None:
         await serve_metrics(core, metrics_port)
     server = build_server(core)
@@ -256,31 +242,42 @@ def lsp_stdout():
     return stream
 
 
+async def serve_connection(
+    core: EmberCore, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, token: str | None, peer: Any
+) -> None:
+    """One editor over a stream (TCP, or the daemon's Unix socket): its own server (documents,
+    settings) on the shared ``core``."""
+    from pygls.io_ import run_async
+
+    from lsp.server import build_server
+
+    log.info("editor connected from %s", peer)
+    server = build_server(core, token=token, exit_process=False)
+    server._stop_event = threading.Event()
+    server.protocol.set_writer(writer)  # type: ignore[arg-type]
+    try:
+        await run_async(
+            stop_event=server._stop_event,
+            reader=ResyncReader(reader),
+            protocol=server.protocol,
+            logger=log,
+            error_handler=server.report_server_error,
+        )
+    except (ConnectionError, asyncio.IncompleteReadError) as exc:
+        log.info("editor %s went away: %s", peer, exc)
+    finally:
+        server.on_exit()
+        writer.close()
+        log.info("editor %s disconnected", peer)
+
+
 async def serve_tcp(
     core: EmberCore, host: str, port: int, token: str | None, tls: ssl.SSLContext | None, metrics_port: int | None = None
 ) -> None:
     """Each connection gets its own server (documents, settings); all share ``core``."""
 
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        log.info("editor connected from %s", peer)
-        server = build_server(core, token=token, exit_process=False)
-        server._stop_event = threading.Event()
-        server.protocol.set_writer(writer)  # type: ignore[arg-type]
-        try:
-            await run_async(
-                stop_event=server._stop_event,
-                reader=ResyncReader(reader),
-                protocol=server.protocol,
-                logger=log,
-                error_handler=server.report_server_error,
-            )
-        except (ConnectionError, asyncio.IncompleteReadError) as exc:
-            log.info("editor %s went away: %s", peer, exc)
-        finally:
-            server.on_exit()
-            writer.close()
-            log.info("editor %s disconnected", peer)
+        await serve_connection(core, reader, writer, token=token, peer=writer.get_extra_info("peername"))
 
     stop_on_sigterm(core)
     if metrics_port is not None:
@@ -297,21 +294,74 @@ async def serve_tcp(
         await core.close()
 
 
+def daemon_main(argv: list[str]) -> int:
+    """``ember daemon status|stop`` for people; ``ember daemon serve`` is what the forwarder starts."""
+    from lsp import daemon
+
+    parser = argparse.ArgumentParser(prog="ember daemon", description="the per-user ember daemon that editors share")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("status", help="print each running daemon of this user (JSON, one a line)")
+    commands.add_parser("stop", help="stop every daemon of this user (open editors start a new one when they need it)")
+    serve = commands.add_parser("serve", help="serve on a socket (started by `ember --stdio`)")
+    serve.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    serve.add_argument("--key", required=True, help="the configuration hash clients must name")
+    serve.add_argument("--engine", default="{}", help="engine settings (JSON, camelCase keys)")
+    serve.add_argument("--idle-s", type=float, default=daemon.DEFAULT_IDLE_S, help="exit after this long without an editor")
+    serve.add_argument("--metrics-port", type=int)
+    serve.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    if args.command in ("status", "stop"):
+        try:
+            answers = asyncio.run(daemon.ask_all(args.command))
+        except daemon.DaemonError as exc:
+            print(f"ember: {exc}", file=sys.stderr)
+            return 1
+        for answer in answers:
+            print(json.dumps(answer))
+        if not answers:
+            print("no ember daemon is running", file=sys.stderr)
+        return 0
+    configure_logging(args.log_level, None, log_protocol=False)
+    try:
+        settings = merge_settings(Settings(), json.loads(args.engine), source="--engine")
+    except (ConfigError, ValueError) as exc:
+        print(f"ember daemon: {exc}", file=sys.stderr)
+        return 2
+    if daemon.daemon_key(settings) != args.key:
+        print(f"ember daemon: --key {args.key} does not name these engine settings", file=sys.stderr)
+        return 2
+    from lsp.server import EmberCore
+
+    # The daemon serves every editor window of its user for as long as they work: long-lived.
+    core = EmberCore(settings, long_lived=True)
+
+    async def run() -> None:
+        stop_on_sigterm(core)
+        if args.metrics_port is not None:
+            await serve_metrics(core, args.metrics_port)
+        await daemon.serve_daemon(core, daemon.DaemonAddress(Path(args.socket), args.key), args.idle_s)
+
+    asyncio.run(run())
+    return 0
+
+
+def configure_logging(level: str, filename: str | None, *, log_protocol: bool) -> None:
+    logging.basicConfig(level=level, filename=filename, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not log_protocol:
+        # pygls logs whole messages (didOpen text, completions, initializationOptions) at INFO/DEBUG.
+        logging.getLogger("pygls").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["daemon"]:
+        return daemon_main(argv[1:])
     args = parse_args(argv)
     if os.environ.get("EMBER_DEBUG_MEMORY"):
         import tracemalloc
 
         tracemalloc.start()
-    logging.basicConfig(
-        level=args.log_level,
-        filename=args.log_file,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not args.log_protocol:
-        # pygls logs whole messages (didOpen text, completions, initializationOptions) at INFO/DEBUG.
-        level = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
-        logging.getLogger("pygls").setLevel(level)
+    configure_logging(args.log_level, args.log_file, log_protocol=args.log_protocol)
     if args.token:
         for handler in logging.getLogger().handlers:
             handler.addFilter(RedactSecret(args.token))
@@ -345,6 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls_cert:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(args.tls_cert, args.tls_key)
+
+    if not tcp and args.daemon != "off":
+        from lsp.forwarder import forward_stdio
+
+        return forward_stdio(args, cli_options(args), settings)
+
+    from lsp.server import EmberCore
 
     # A TCP server outlives many editor sessions: worth a slower engine start for faster decoding.
     core = EmberCore(settings, long_lived=tcp is not None)

@@ -29,9 +29,10 @@ from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
-from context.document import Document, PositionError
+from context.document import Document, PositionError, utf16_position
 from context.prompt import Snippet, select_snippets
 from engine.base import Engine
+from lsp import VERSION
 from lsp.completer import Completer, prompt_budget
 from lsp.config import ConfigError, Settings, merge_settings, vllm_flags
 from lsp.metrics import Metrics, RequestMetrics
@@ -50,7 +51,6 @@ def import_lines(text: str) -> str:
     """The lines that decide which other files matter; the cross-file choice is redone only when
     they (or the other files) change, not on every keystroke."""
     return "\n".join(line for line in text[:20_000].splitlines() if line.lstrip().startswith(("import ", "from ", "#include", "use ", "require(")) or " require(" in line)
-VERSION = "0.1.0"
 
 
 class UnknownDocument(JsonRpcException):
@@ -102,6 +102,9 @@ class EmberCore:
         self._engine_settings = settings
         self._backoff_s = 1.0
         self.restarts = 0
+        self.engine_starts = 0
+        # What the process serving this core says of itself in ember/stats (the daemon sets it).
+        self.host_info: Callable[[], dict[str, Any]] | None = None
         self.metrics = Metrics()
         self.memory_baseline: tracemalloc.Snapshot | None = None
         self.completer = Completer(lambda: self.engine, self.metrics)
@@ -150,6 +153,7 @@ class EmberCore:
         return self._start_task
 
     async def _start(self, settings: Settings) -> None:
+        self.engine_starts += 1
         try:
             engine = await asyncio.to_thread(self._engine_factory, settings)
             await engine.start()
@@ -441,16 +445,8 @@ class EmberServer(LanguageServer):
 
     def to_utf16(self, doc: Document, line: int, character: int) -> tuple[int, int]:
         """Positions arrive in the negotiated encoding; documents count UTF-16 units."""
-        encoding = self.protocol.server_capabilities.position_encoding if self.protocol.server_capabilities else None
-        if encoding in (None, types.PositionEncodingKind.Utf16) or line < 0 or line >= doc.line_count:
-            return line, character
-        text = doc.line_text(line)
-        if encoding == types.PositionEncodingKind.Utf8:
-            prefix = text.encode("utf-8", "surrogatepass")[: max(character, 0)].decode("utf-8", "ignore")
-        else:  # utf-32: code points
-            prefix = text[: max(character, 0)]
-        extra = max(0, character - len(prefix)) if encoding != types.PositionEncodingKind.Utf8 else 0
-        return line, len(prefix.encode("utf-16-le", "surrogatepass")) // 2 + extra
+        capabilities = self.protocol.server_capabilities
+        return utf16_position(doc, line, character, capabilities.position_encoding if capabilities else None)
 
     def offset_of(self, doc: Document, position: types.Position) -> int:
         line, character = self.to_utf16(doc, position.line, position.character)
@@ -687,6 +683,7 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
             "model": engine.model.name if engine is not None else None,
             "restarts": core.restarts,
             "restarting": core.restarting,
+            "starts": core.engine_starts,
             # What the prompt budgets of this editor's requests are shares of.
             "max_model_len": engine.model.max_model_len if engine is not None else None,
             "budget": budget_stats(ls.settings, engine.model.max_model_len) if engine is not None else None,
@@ -699,7 +696,8 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         if callable(engine_stats):
             state["stats"] = engine_stats()
         summary["engine"] = state
-        summary["process"] = process_memory(core)
+        summary["process"] = {"pid": os.getpid(), **process_memory(core)}
+        summary["daemon"] = core.host_info() if core.host_info is not None else None
         return summary
 
     return server

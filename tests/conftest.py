@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +16,16 @@ from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
 DATA = Path(__file__).parent / "data"
-SERVER_ARGS = ["--max-tokens", "24", "--log-level", "INFO"]
-# TCP servers default to vLLM's compiled mode on the CPU (faster decoding for 40-120 s more start-up);
-# tests that do not test that default start eager, to keep CI's 2 cores in time.
+
+# Every daemon a test starts (`ember --stdio` forwards to one by default) lives in this session's
+# own runtime directory, exits soon after its last editor, and is stopped when the session ends:
+# a daemon outliving the test command would keep CI waiting.
+RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="ember-tests-"))
+os.environ["XDG_RUNTIME_DIR"] = str(RUNTIME_DIR)
+os.environ.setdefault("EMBER_DAEMON_IDLE_S", "20")
+SERVER_ARGS = ["--daemon", "off", "--max-tokens", "24", "--log-level", "INFO"]
+# TCP servers and daemons default to vLLM's compiled mode on the CPU (faster decoding for 40-120 s
+# more start-up); tests that do not test that default start eager, to keep CI's 2 cores in time.
 EAGER = ("--engine-arg", "enforce_eager=true")
 READY_TIMEOUT_S = 600  # generous: CI has 2 cores and several engines start at once
 
@@ -76,6 +85,24 @@ async def client(lsp_client: LanguageClient):
     lsp_client.initialize_result = result  # type: ignore[attr-defined]
     yield
     await lsp_client.shutdown_session()
+
+
+def stop_daemons(runtime_dir: Path) -> None:
+    """Stops the daemons under ``runtime_dir`` (SIGTERM, then SIGKILL), found by their command line."""
+    import psutil
+
+    found = [p for p in psutil.process_iter(["cmdline"]) if str(runtime_dir) in " ".join(p.info["cmdline"] or ()) and "daemon" in (p.info["cmdline"] or ())]
+    for process in found:
+        process.terminate()
+    _, alive = psutil.wait_procs(found, timeout=10)
+    for process in alive:
+        process.kill()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_daemon_left_behind():
+    yield
+    stop_daemons(RUNTIME_DIR)
 
 
 @pytest.fixture(scope="session")

@@ -126,7 +126,7 @@ async def long_context():
     messages: list[str] = []
     client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: messages.append(params.message))
     await client.start_io(
-        sys.executable, "-m", "lsp", "--stdio", "--max-tokens", "8", "--engine-arg", "max_model_len=4096"
+        sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--max-tokens", "8", "--engine-arg", "max_model_len=4096"
     )
     await client.initialize_async(
         types.InitializeParams(

@@ -21,7 +21,7 @@ async def test_unknown_engine_arg_is_reported_and_ember_serves_on_its_defaults(s
     messages: list[types.ShowMessageParams] = []
     client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: messages.append(params))
     await client.start_io(
-        sys.executable, "-m", "lsp", "--stdio", "--max-tokens", "8",
+        sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--max-tokens", "8",
         "--engine-arg", "no_such_arg=1", "--engine-arg", "max_model_len=4096",
     )  # fmt: skip
     try:

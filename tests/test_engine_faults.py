@@ -35,7 +35,7 @@ async def test_killed_engine_fails_fast_and_is_restarted(sample_text):
     client = LanguageClient("fault-test", "1")
     messages: list[str] = []
     client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: messages.append(params.message))
-    await client.start_io(sys.executable, "-m", "lsp", "--stdio", "--max-tokens", "8", "--metrics-port", str(port))
+    await client.start_io(sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--max-tokens", "8", "--metrics-port", str(port))
     try:
         await client.initialize_async(types.InitializeParams(capabilities=client_capabilities()))
         client.initialized(types.InitializedParams())

@@ -260,7 +260,7 @@ class RawLsp(JsonRpcClient, ServerProcess):
         self.stderr_file = log_file.with_suffix(".stderr")
         self._stderr = open(self.stderr_file, "wb")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lsp", "--stdio", "--log-file", str(log_file), *args],
+            [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-file", str(log_file), *args],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

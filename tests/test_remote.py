@@ -724,7 +724,7 @@ async def test_lsp_through_engine_url_matches_the_embedded_server(vllm_pair: Pai
     await vllm_pair.a.wait_ready()
     remote_client = LanguageClient("remote-test", "1")
     await remote_client.start_io(
-        sys.executable, "-m", "lsp", "--stdio", "--engine-url", f"{vllm_pair.a.url}/v1", "--model", SERVED_NAME
+        sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--engine-url", f"{vllm_pair.a.url}/v1", "--model", SERVED_NAME
     )
     try:
         await remote_client.initialize_async(
@@ -759,7 +759,7 @@ async def test_budgets_follow_the_vllm_servers_max_model_len(vllm_pair: Pair) ->
 
     await vllm_pair.a.wait_ready()
     client = LanguageClient("remote-budget", "1")
-    await client.start_io(sys.executable, "-m", "lsp", "--stdio", "--engine-url", f"{vllm_pair.a.url}/v1")
+    await client.start_io(sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--engine-url", f"{vllm_pair.a.url}/v1")
     try:
         await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities()))
         client.initialized(types.InitializedParams())

@@ -84,7 +84,7 @@ async def test_initialize_advertises_both_providers(client):
 async def test_requests_while_loading_get_an_empty_result(sample_text):
     """A fresh server of its own: the shared one may have loaded already."""
     fresh = LanguageClient("loading-test", "1")
-    await fresh.start_io(sys.executable, "-m", "lsp", "--stdio", "--max-tokens", "8")
+    await fresh.start_io(sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--max-tokens", "8")
     try:
         await fresh.initialize_async(types.InitializeParams(capabilities=client_capabilities()))
         fresh.initialized(types.InitializedParams())

@@ -1,0 +1,331 @@
+"""The per-user daemon behind ``ember --stdio``, with real processes: forwarders launched as editors
+launch them, daemons they start themselves, a real engine where completions are asserted.
+
+Tests that need no model point the daemon at an engine URL nobody serves (the daemon's mechanics
+do not depend on the engine, and it is up in about a second); the others use the bundled model.
+Each test gets its own runtime directory, so daemons never leak between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from lsprotocol import types
+from pytest_lsp.client import make_test_lsp_client
+
+from lsp import VERSION
+from lsp.config import Settings, merge_settings
+from lsp.daemon import PROTOCOL, DaemonAddress, admits, daemon_key, peer_uid
+from lsp.forwarder import SessionState
+from tests.conftest import DATA, EAGER, client_capabilities, plain, stop_daemons, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_ENGINE = ["--engine-url", "http://127.0.0.1:9/v1"]  # loopback port 9 (discard): nothing answers
+URI = "file:///proj/inventory.py"
+
+
+@pytest.fixture
+def runtime() -> Iterator[Path]:
+    """A runtime directory of the test's own (short: Unix socket paths are limited to 108 bytes)."""
+    directory = Path(tempfile.mkdtemp(prefix="ed-"))
+    yield directory
+    stop_daemons(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def env_for(runtime: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "XDG_RUNTIME_DIR": str(runtime), **extra}
+
+
+def daemon_processes(runtime: Path) -> list[psutil.Process]:
+    return [
+        p for p in psutil.process_iter(["cmdline"])
+        if "daemon" in (p.info["cmdline"] or ()) and str(runtime) in " ".join(p.info["cmdline"] or ())
+    ]
+
+
+def sockets(runtime: Path) -> list[Path]:
+    return sorted((runtime / "ember").glob("*.sock"))
+
+
+class Window:
+    """An editor window: ``ember --stdio`` (the forwarder) driven by pygls' client."""
+
+    def __init__(self, runtime: Path, *args: str, **env: str) -> None:
+        self.runtime, self.args, self.env = runtime, args, env
+        self.client = make_test_lsp_client()  # keeps window/showMessage and $/progress reports
+
+    @property
+    def messages(self) -> list[str]:
+        return [params.message for params in self.client.messages]
+
+    async def open(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        await self.client.start_io(
+            sys.executable, "-m", "lsp", "--stdio", *self.args, env=env_for(self.runtime, **self.env), cwd=str(ROOT)
+        )
+        await self.client.initialize_session(  # initialize, then initialized
+            types.InitializeParams(
+                capabilities=client_capabilities(), initialization_options={"debounceMs": 0, **(options or {})}
+            )
+        )
+        return await self.stats()
+
+    async def stats(self) -> dict[str, Any]:
+        return plain(await self.client.protocol.send_request_async("ember/stats", {"uri": URI}))
+
+    def did_open(self, text: str) -> None:
+        item = types.TextDocumentItem(uri=URI, language_id="python", version=1, text=text)
+        self.client.text_document_did_open(types.DidOpenTextDocumentParams(text_document=item))
+
+    def type_at_end(self, text: str, current: str, version: int) -> str:
+        lines = current.split("\n")
+        end = types.Position(line=len(lines) - 1, character=len(lines[-1]))
+        change = types.TextDocumentContentChangePartial(range=types.Range(start=end, end=end), text=text)
+        self.client.text_document_did_change(
+            types.DidChangeTextDocumentParams(
+                text_document=types.VersionedTextDocumentIdentifier(uri=URI, version=version), content_changes=[change]
+            )
+        )
+        return current + text
+
+    async def complete_at_end(self, text: str) -> str:
+        lines = text.split("\n")
+        params = types.InlineCompletionParams(
+            text_document=types.TextDocumentIdentifier(uri=URI),
+            position=types.Position(line=len(lines) - 1, character=len(lines[-1])),
+            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked),
+        )
+        result = await self.client.text_document_inline_completion_async(params)
+        return result.items[0].insert_text if result and result.items else ""
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.client.shutdown_async(None), 30)
+            self.client.exit(None)
+        except Exception:  # noqa: BLE001 - the process may be gone already; stop() reaps it
+            pass
+        await self.client.stop()
+
+
+# ------------------------------------------------------------------------------ without a model
+
+
+def test_the_forwarder_imports_no_engine_or_protocol_library() -> None:
+    """``ember --stdio`` is ready at once: the forwarder's path imports neither vLLM, torch, nor pygls."""
+    code = (
+        "import sys, lsp.cli, lsp.forwarder, lsp.daemon\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'pygls', 'lsprotocol', 'transformers'})\n"
+        "print(heavy)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_session_state_follows_utf8_edits_and_replays_them() -> None:
+    state = SessionState(position_encoding="utf-8")
+    state.track({"method": "initialize", "id": 1, "params": {}})
+    state.track({"method": "initialized", "params": {}})
+    item = {"uri": URI, "languageId": "python", "version": 1, "text": "s = 'é'\n"}
+    state.track({"method": "textDocument/didOpen", "params": {"textDocument": item}})
+    # "é" is two UTF-8 bytes: byte column 7 is after it, UTF-16 column 6.
+    change = {"range": {"start": {"line": 0, "character": 7}, "end": {"line": 0, "character": 7}}, "text": "x"}
+    state.track({"method": "textDocument/didChange", "params": {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [change]}})
+    settings = {"method": "workspace/didChangeConfiguration", "params": {"settings": {"ember": {"maxTokens": 8}}}}
+    state.track(settings)
+    replay = state.replay()
+    assert [m["method"] for m in replay] == ["initialized", "workspace/didChangeConfiguration", "textDocument/didOpen"]
+    reopened = replay[-1]["params"]["textDocument"]
+    assert reopened == {"uri": URI, "languageId": "python", "version": 2, "text": "s = 'éx'\n"}
+    state.track({"method": "textDocument/didClose", "params": {"textDocument": {"uri": URI}}})
+    assert [m["method"] for m in state.replay()] == ["initialized", "workspace/didChangeConfiguration"]
+
+
+def test_peer_credentials_of_another_uid_are_refused() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX)
+    try:
+        assert peer_uid(left) == os.getuid()
+    finally:
+        left.close()
+        right.close()
+    assert admits(os.getuid(), os.getuid())
+    assert not admits(os.getuid() + 1, os.getuid())
+
+
+def test_daemon_keys_differ_by_engine_settings_and_version() -> None:
+    base = Settings()
+    other_model = merge_settings(base, {"model": "/models/other"})
+    assert daemon_key(base) != daemon_key(other_model)
+    assert daemon_key(base) != daemon_key(base, version="0.0.1")
+    assert daemon_key(base) == daemon_key(merge_settings(base, {"maxTokens": 8, "debounceMs": 50}))  # per connection
+
+
+async def test_two_windows_launched_at_once_start_one_daemon(runtime: Path) -> None:
+    windows = [Window(runtime, *NO_ENGINE) for _ in range(3)]
+    stats = await asyncio.gather(*(w.open() for w in windows))
+    try:
+        pids = {s["daemon"]["pid"] for s in stats}
+        assert len(pids) == 1, pids
+        assert len(daemon_processes(runtime)) == 1
+        assert len(sockets(runtime)) == 1
+        assert (await windows[0].stats())["daemon"]["clients"] == 3
+        assert all(s["engine"]["starts"] == 1 for s in stats)
+    finally:
+        await asyncio.gather(*(w.close() for w in windows))
+
+
+async def test_a_stale_socket_is_replaced(runtime: Path) -> None:
+    key = daemon_key(merge_settings(Settings(), {"engineUrl": NO_ENGINE[1]}))
+    (runtime / "ember").mkdir(mode=0o700)
+    address = DaemonAddress.for_key(key, runtime / "ember")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(address.socket))  # what a crashed daemon leaves: a socket file nobody listens on
+    dead.close()
+    stale_inode = address.socket.stat().st_ino
+    window = Window(runtime, *NO_ENGINE)
+    try:
+        stats = await window.open()
+        assert stats["daemon"]["socket"] == str(address.socket)
+        assert address.socket.stat().st_ino != stale_inode
+    finally:
+        await window.close()
+
+
+async def test_the_daemon_exits_when_idle_and_removes_its_socket(runtime: Path) -> None:
+    window = Window(runtime, *NO_ENGINE, "--daemon-idle-s", "1")
+    stats = await window.open()
+    daemon = psutil.Process(stats["daemon"]["pid"])
+    assert sockets(runtime)
+    await window.close()
+    daemon.wait(timeout=30)  # raises psutil.TimeoutExpired if it stays
+    assert not sockets(runtime)
+
+
+async def test_status_and_stop_commands(runtime: Path) -> None:
+    window = Window(runtime, *NO_ENGINE)
+    stats = await window.open()
+    try:
+        def ember(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "lsp", *args], env=env_for(runtime), cwd=ROOT, capture_output=True, text=True, timeout=60
+            )
+
+        status = [json.loads(line) for line in ember("daemon", "status").stdout.splitlines()]
+        assert [s["pid"] for s in status] == [stats["daemon"]["pid"]]
+        assert status[0]["clients"] == 1 and status[0]["version"] == VERSION
+        daemon = psutil.Process(stats["daemon"]["pid"])
+        assert ember("daemon", "stop").returncode == 0
+        daemon.wait(timeout=30)
+        # The open window is told and gets a new daemon.
+        deadline = time.monotonic() + 60
+        while not any("daemon stopped" in m for m in window.messages):
+            assert time.monotonic() < deadline, window.messages
+            await asyncio.sleep(0.1)
+        after = await window.stats()
+        assert after["daemon"]["pid"] != stats["daemon"]["pid"]
+    finally:
+        await window.close()
+
+
+async def test_other_versions_and_other_users_are_refused(runtime: Path) -> None:
+    window = Window(runtime, *NO_ENGINE)
+    stats = await window.open()
+    path = stats["daemon"]["socket"]
+    key = Path(path).stem
+    try:
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(f"{PROTOCOL} 0.0.1 {key} lsp\n".encode())
+        answer = await asyncio.wait_for(reader.readline(), 10)
+        assert answer.startswith(b"refused ") and b"0.0.1" in answer, answer
+        writer.close()
+        if os.getuid() == 0:  # root can be another user for a moment; others rely on the unit test above
+            os.chmod(runtime, 0o755)
+            os.chmod(Path(path).parent, 0o755)
+            os.chmod(path, 0o777)
+            probe = (
+                "import os, socket, sys\n"
+                "os.setuid(65534)\n"
+                "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                f"s.sendall(b'{PROTOCOL} {VERSION} {key} lsp\\n')\n"
+                "try:\n    print(repr(s.recv(100)))\n"
+                "except ConnectionResetError:\n    print('reset')\n"
+            )
+            result = subprocess.run([sys.executable, "-c", probe, path], capture_output=True, text=True, timeout=30)
+            assert result.returncode == 0, result.stderr
+            assert result.stdout.strip() in ("b''", "reset"), result.stdout  # closed without a greeting
+            assert "refused a connection from uid 65534" in Path(path).with_suffix(".log").read_text()
+        assert (await window.stats())["daemon"]["clients"] == 1
+    finally:
+        await window.close()
+
+
+# ------------------------------------------------------------------------------ with the bundled model
+
+
+@pytest.mark.slow
+async def test_windows_share_one_engine_and_survive_a_killed_daemon(runtime: Path) -> None:
+    """Two windows, one daemon and one engine start; then the daemon is killed: the windows are
+    told, a new daemon starts, the documents (with the edits made before) are reopened in it, and
+    the next request is answered."""
+    text = (DATA / "inventory.py").read_text() + "\n\ndef total_weight(items):\n    return "
+    first, second = Window(runtime, "--max-tokens", "12", *EAGER), Window(runtime, "--max-tokens", "12", *EAGER)
+    try:
+        await first.open()
+        ready = await wait_ready(first.client)
+        assert ready["engine"]["starts"] == 1
+        loading = [r for token, r in first.client.progress_reports.items() if str(token).startswith("ember-load")]
+        assert loading and "ready" in loading[0][-1].message, "the daemon's loading progress reaches the first window"
+        first.did_open(text)
+        assert await first.complete_at_end(text)
+
+        joined = await second.open()
+        assert joined["engine"]["ready"], "a second window joins the warm engine"
+        assert joined["daemon"]["pid"] == ready["daemon"]["pid"] and joined["daemon"]["clients"] == 2
+        assert joined["engine"]["starts"] == 1
+
+        # Edits the new daemon can only know from the forwarder's copy of the document.
+        edited = first.type_at_end("\n\ndef restock(item, count):\n    item.quantity += count\n    return ", text, 2)
+        daemon = psutil.Process(ready["daemon"]["pid"])
+        os.killpg(os.getpgid(daemon.pid), signal.SIGKILL)  # the daemon and its engine process
+
+        deadline = time.monotonic() + 60
+        while not any("daemon stopped" in m for m in first.messages):
+            assert time.monotonic() < deadline, first.messages
+            await asyncio.sleep(0.1)
+        recovered = await wait_ready(first.client)
+        assert recovered["daemon"]["pid"] != daemon.pid
+        # A position on the last edited line: the old text has no such line (it would be -32602).
+        answer = await first.complete_at_end(edited)
+        last = (await first.stats())["last_for_uri"]
+        assert last is not None and last["outcome"] in ("ok", "empty") and last["prompt_tokens"] > 0, last
+        assert answer or last["outcome"] == "empty"
+        assert (await second.stats())["daemon"]["pid"] == recovered["daemon"]["pid"]
+    finally:
+        await first.close()
+        await second.close()
+    assert len(daemon_processes(runtime)) <= 1
+
+
+async def test_the_daemon_is_long_lived(runtime: Path) -> None:
+    """A daemon serves every window of its user for hours, so its embedded engine starts in the
+    long-lived mode (compiled on a CPU); `--stdio --daemon off` stays eager (tests/test_engine_args.py)."""
+    window = Window(runtime, *NO_ENGINE)
+    try:
+        stats = await window.open()
+        assert stats["engine"]["long_lived"] is True
+    finally:
+        await window.close()
