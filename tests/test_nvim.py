@@ -48,12 +48,13 @@ TYPED = "    return n * "
 
 
 def ember_command() -> list[str]:
+    """``ember --stdio`` (its daemon's engine would start in compiled mode: eager keeps CI in time)."""
     exe = Path(sys.executable).parent / "ember"
     if exe.exists():
-        return [str(exe), "--stdio"]
+        return [str(exe), "--stdio", *EAGER]
     found = shutil.which("ember")
     assert found, f"ember console script not found beside {sys.executable} nor on PATH"
-    return [found, "--stdio"]
+    return [found, "--stdio", *EAGER]
 
 
 def nvim_version(binary: str) -> tuple[int, int, int]:
