@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,10 @@ import pytest
 import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
+
+# Every ember the tests start (also through editors' configs, which launch plain `ember`) serves
+# the bundled model: no test may reach for a model hub or wait on its timeout.
+os.environ.setdefault("EMBER_MODEL", "bundled")
 
 DATA = Path(__file__).parent / "data"
 SERVER_ARGS = ["--max-tokens", "24", "--log-level", "INFO"]
