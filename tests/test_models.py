@@ -1,0 +1,213 @@
+"""The model ember picks when none is named, for real: a download from a model hub (a local one on
+127.0.0.1, tests/hub.py, speaking the Hugging Face Hub's file API) with progress in the editor, the
+Hugging Face cache on the next start, the bundled fallback when no hub answers, and a clear error
+for a typo in a hub id. Each server gets its own HF_HOME; none reaches beyond 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lsprotocol import types
+from pytest_lsp import LanguageClient
+from pytest_lsp.client import make_test_lsp_client
+
+from engine.models import BUNDLED_NAME, DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, HUB_TIMEOUT_S, resolve_bundled
+from tests.conftest import client_capabilities, stats, wait_ready
+from tests.hub import LocalHub
+from tests.test_server import inline, open_doc
+
+HUB_ID = "ember-test/SmolLM2-135M"
+TEXT = "def add(a: int, b: int) -> int:\n    return a + b\n\n\ndef mul(a: int, b: int) -> int:\n    "
+URI = "file:///work/models_test.py"
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (connections to it are refused at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_env(hf_home: Path, **extra: str) -> dict[str, str]:
+    """The test process's environment without the test default (EMBER_MODEL=bundled) and without
+    any hub setting of the user's, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "EMBER_MODEL", "EMBER_DEFAULT_MODEL"))}
+    env.update(HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1", **extra)
+    return env
+
+
+async def start(env: dict[str, str], log_file: Path, *args: str) -> LanguageClient:
+    client = make_test_lsp_client()
+    await client.start_io(
+        sys.executable, "-m", "lsp", "--stdio", "--max-tokens", "8", "--log-file", str(log_file), *args, env=env
+    )
+    await client.initialize_session(types.InitializeParams(capabilities=client_capabilities()))
+    return client
+
+
+async def stop(client: LanguageClient) -> None:
+    await client.shutdown_session()
+    await asyncio.wait_for(client.stop(), 30)
+
+
+def load_reports(client: LanguageClient) -> list[Any]:
+    reports = [r for token, r in client.progress_reports.items() if str(token).startswith("ember-load")]
+    assert len(reports) == 1, client.progress_reports
+    return reports[0]
+
+
+def fallback_messages(client: LanguageClient) -> list[str]:
+    return [m.message for m in client.messages if "fallback" in m.message]
+
+
+def resolved_seconds(log_file: Path) -> float:
+    match = re.search(r"resolved in ([\d.]+) s", log_file.read_text())
+    assert match, log_file.read_text()[-2000:]
+    return float(match.group(1))
+
+
+async def completes(client: LanguageClient) -> str:
+    open_doc(client, URI, TEXT)
+    items = await inline(client, URI, TEXT.count("\n"), 4)
+    assert items and items[0].insert_text.strip(), items
+    return items[0].insert_text
+
+
+def test_the_default_is_a_fill_in_the_middle_code_model_by_hardware() -> None:
+    from engine.embedded import _on_cpu
+    from engine.models import default_hub_model
+
+    env_before = os.environ.pop("EMBER_DEFAULT_MODEL", None)
+    try:
+        assert default_hub_model() == (DEFAULT_CPU_MODEL if _on_cpu() else DEFAULT_GPU_MODEL)
+    finally:
+        if env_before is not None:
+            os.environ["EMBER_DEFAULT_MODEL"] = env_before
+    assert (DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL) == ("Qwen/Qwen2.5-Coder-0.5B", "Qwen/Qwen2.5-Coder-1.5B")
+
+
+@pytest.mark.slow
+async def test_default_model_downloads_with_progress_then_starts_from_the_cache(tmp_path: Path) -> None:
+    """No --model: the default hub id (pointed at the local hub) is downloaded into HF_HOME with
+    byte and percent progress, then completions come from it; a second start, with the hub gone,
+    serves the same model from the Hugging Face cache."""
+    hf_home = tmp_path / "hf"
+    env = server_env(hf_home, EMBER_DEFAULT_MODEL=HUB_ID)
+    # ~3 s for the 270 MB: long enough that the editor sees several progress reports.
+    with LocalHub({HUB_ID: Path(resolve_bundled().path)}, seconds_per_mib=0.01) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        client = await start(env, tmp_path / "first.log")
+        try:
+            current = await wait_ready(client)
+            assert current["engine"]["model"] == HUB_ID
+            reports = load_reports(client)
+            downloading = [r for r in reports if isinstance(r, types.WorkDoneProgressReport) and "downloading" in (r.message or "")]
+            assert len(downloading) >= 2, reports
+            assert all(re.search(r"[\d.]+ of [\d.]+ MB \(\d+%\)", r.message) for r in downloading), downloading
+            percents = [r.percentage for r in downloading]
+            assert percents == sorted(percents) and percents[0] < 100 and percents[-1] > 0, percents
+            assert any(f"loading {HUB_ID}" == r.message for r in reports if isinstance(r, types.WorkDoneProgressReport))
+            assert isinstance(reports[-1], types.WorkDoneProgressEnd) and "ready" in reports[-1].message
+            await completes(client)
+            assert fallback_messages(client) == []
+        finally:
+            await stop(client)
+        fetched = [r for r in hub.requests if r.startswith("GET ") and "/resolve/" in r]
+        assert any(r.endswith("/model.safetensors") for r in fetched), hub.requests
+    snapshots = list((hf_home / "hub" / "models--ember-test--SmolLM2-135M" / "snapshots").glob("*/model.safetensors"))
+    assert len(snapshots) == 1 and snapshots[0].stat().st_size > 100_000_000
+    assert f"model {HUB_ID} (hub: " in (tmp_path / "first.log").read_text()
+
+    # The hub is gone (its port refuses connections): the cache alone serves the model.
+    client = await start(env, tmp_path / "second.log")
+    try:
+        current = await wait_ready(client)
+        assert current["engine"]["model"] == HUB_ID
+        assert not any("downloading" in (getattr(r, "message", None) or "") for r in load_reports(client))
+        await completes(client)
+        assert fallback_messages(client) == []
+    finally:
+        await stop(client)
+    assert "found in the Hugging Face cache" in (tmp_path / "second.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("no_hub", ["HF_HUB_OFFLINE=1", "closed port"])
+async def test_no_hub_falls_back_to_the_bundled_model_at_once(tmp_path: Path, no_hub: str) -> None:
+    """The real default (Qwen2.5-Coder) with an empty cache and no hub: the bundled model serves
+    completions within the stated timeout, and the editor is told once, with what to do."""
+    if no_hub == "HF_HUB_OFFLINE=1":
+        env = server_env(tmp_path / "hf", HF_HUB_OFFLINE="1", HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
+    else:
+        env = server_env(tmp_path / "hf", HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
+    log_file = tmp_path / "ember.log"
+    client = await start(env, log_file)
+    try:
+        current = await wait_ready(client)
+        assert current["engine"]["model"] == BUNDLED_NAME
+        assert resolved_seconds(log_file) < HUB_TIMEOUT_S
+        await completes(client)
+        await completes(client)
+        messages = fallback_messages(client)
+        assert len(messages) == 1, [m.message for m in client.messages]
+        assert "Qwen/Qwen2.5-Coder-" in messages[0] and "--model" in messages[0] and ".gguf" in messages[0]
+        assert ("HF_HUB_OFFLINE" if no_hub == "HF_HUB_OFFLINE=1" else "could not reach") in messages[0]
+    finally:
+        await stop(client)
+
+
+async def test_a_typo_in_a_hub_id_is_a_clear_error_and_the_server_keeps_answering(tmp_path: Path) -> None:
+    """A named model always wins: no fallback, an error naming the id, answers still come."""
+    typo = "ember-test/SmolLM2-135N"
+    with LocalHub({HUB_ID: Path(resolve_bundled().path)}) as hub:
+        client = await start(server_env(tmp_path / "hf", HF_ENDPOINT=hub.url), tmp_path / "ember.log", "--model", typo)
+        try:
+            deadline = time.monotonic() + 60
+            while not (await stats(client))["engine"]["error"]:
+                assert time.monotonic() < deadline, "no engine error"
+                await asyncio.sleep(0.2)
+            engine = (await stats(client))["engine"]
+            assert not engine["ready"] and engine["model"] is None
+            assert repr(typo) in engine["error"] and "not found" in engine["error"]
+            for _ in range(50):
+                if client.messages:
+                    break
+                await asyncio.sleep(0.1)
+            assert any(repr(typo) in m.message and "not found" in m.message for m in client.messages), client.messages
+            assert fallback_messages(client) == []
+            open_doc(client, URI, TEXT)
+            assert await inline(client, URI, TEXT.count("\n"), 4) == []
+            assert "engine" in await stats(client)
+        finally:
+            await stop(client)
+        assert any(f"/api/models/{typo}" in r for r in hub.requests), hub.requests
+
+
+def test_a_hub_that_never_answers_costs_only_the_stated_timeout(tmp_path: Path) -> None:
+    """A firewall that swallows packets, played by a loopback socket that accepts connections and
+    never answers: resolution falls back to the bundled model after HUB_TIMEOUT_S, not the minutes
+    a download client could wait (resolution only, in a child process: no engine starts)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        env = server_env(tmp_path / "hf", HF_ENDPOINT=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        code = (
+            "import json, time; from engine.models import resolve_model; t = time.monotonic(); m = resolve_model(None); "
+            "print(json.dumps({'name': m.name, 'reason': m.fallback_reason, 's': time.monotonic() - t}))"
+        )
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["name"] == BUNDLED_NAME
+    assert f"did not answer within {HUB_TIMEOUT_S:g} s" in result["reason"]
+    assert HUB_TIMEOUT_S - 0.5 < result["s"] < HUB_TIMEOUT_S + 2, result
