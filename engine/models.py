@@ -87,9 +87,9 @@ class LoadState:
         return min(100, int(100 * self.done_bytes / self.total_bytes))
 
     def describe(self) -> str:
+        """The progress message; the percentage travels beside it (editors print both)."""
         if self.stage == "downloading":
-            done, total = self.done_bytes / 1e6, self.total_bytes / 1e6
-            return f"downloading {self.model}: {done:.1f} of {total:.1f} MB ({self.percent() or 0}%)"
+            return f"downloading {self.model}: {self.done_bytes / 1e6:.1f} of {self.total_bytes / 1e6:.1f} MB"
         return f"{self.stage} {self.model}"
 
 
@@ -162,10 +162,14 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None, progress: Loa
     progress = progress or LoadProgress()
     if not spec:
         wanted = default_hub_model()
+        asked = time.monotonic()
         try:
             return ResolvedModel(fetch_hub_model(wanted, progress), wanted, "hub")
         except HubUnreachable as exc:
-            log.warning("the default model %s is out of reach (%s); using the bundled %s", wanted, exc, BUNDLED_NAME)
+            log.warning(
+                "gave up on the hub for %s after %.1f s (%s); using the bundled %s",
+                wanted, time.monotonic() - asked, exc, BUNDLED_NAME,
+            )
             reason = FALLBACK_ADVICE.format(bundled=BUNDLED_NAME, wanted=wanted, reason=exc)
             progress.set("preparing", BUNDLED_NAME)
             return replace(resolve_bundled(cache_dir), fallback_reason=reason)

@@ -692,29 +692,56 @@ async def report_loading(ls: EmberServer) -> None:
 
 
 async def show_loading_progress(ls: EmberServer) -> None:
+    """One indeterminate progress for getting the model ready (its message names the stage), and
+    while the model downloads a second one with bytes and a percentage: LSP lets a client ignore
+    percentages in reports unless the begin had one, and the load as a whole has none to give."""
     core = ls.core
     window = ls.client_capabilities.window if ls.client_capabilities else None
     if not (window and window.work_done_progress):
         await core.wait_ready()
         return
-    token = f"ember-load-{uuid.uuid4().hex[:8]}"
-    try:
-        await ls.work_done_progress.create_async(token)
-    except Exception as exc:
-        log.debug("client refused progress token: %s", exc)
+    token = await new_progress_token(ls, "ember-load")
+    if token is None:
         await core.wait_ready()
         return
     shown = core.load_progress.current()
-    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=shown.describe(), percentage=0))
+    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=shown.describe()))
+    download: str | None = None
     waiting = asyncio.ensure_future(core.wait_ready())
     while not waiting.done():
         await asyncio.wait({waiting}, timeout=PROGRESS_REPORT_S)
         state = core.load_progress.current()
-        if state != shown and not waiting.done():
-            shown = state
-            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=state.describe(), percentage=state.percent()))
+        if state == shown or waiting.done():
+            continue
+        if state.stage == "downloading" and download is not None:
+            ls.work_done_progress.report(download, types.WorkDoneProgressReport(message=state.describe(), percentage=state.percent()))
+        elif state.stage == "downloading" and shown.stage != "downloading":
+            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=f"downloading {state.model}"))
+            download = await new_progress_token(ls, "ember-download")
+            if download is not None:
+                begin = types.WorkDoneProgressBegin(title="ember", message=state.describe(), percentage=state.percent() or 0)
+                ls.work_done_progress.begin(download, begin)
+        elif state.stage != "downloading":
+            if download is not None:
+                ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message=f"downloaded {shown.model}"))
+                download = None
+            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=state.describe()))
+        shown = state
     ready = waiting.result()
+    if download is not None:
+        ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message="download stopped"))
     message = "model ready" if ready else f"engine failed: {core.engine_error}"
     ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
     if not ready:
         ls.notify_user(f"the engine is not available: {core.engine_error}")
+
+
+async def new_progress_token(ls: EmberServer, prefix: str) -> str | None:
+    """A work-done progress token the client agreed to (``window/workDoneProgress/create``)."""
+    token = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    try:
+        await ls.work_done_progress.create_async(token)
+    except Exception as exc:
+        log.debug("client refused progress token: %s", exc)
+        return None
+    return token

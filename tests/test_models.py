@@ -60,8 +60,13 @@ async def stop(client: LanguageClient) -> None:
     await asyncio.wait_for(client.stop(), 30)
 
 
+def progress(client: LanguageClient, prefix: str) -> list[list[Any]]:
+    """The work-done progress values of each token named ``prefix-...``."""
+    return [values for token, values in client.progress_reports.items() if str(token).startswith(prefix)]
+
+
 def load_reports(client: LanguageClient) -> list[Any]:
-    reports = [r for token, r in client.progress_reports.items() if str(token).startswith("ember-load")]
+    reports = progress(client, "ember-load")
     assert len(reports) == 1, client.progress_reports
     return reports[0]
 
@@ -70,9 +75,10 @@ def fallback_messages(client: LanguageClient) -> list[str]:
     return [m.message for m in client.messages if "fallback" in m.message]
 
 
-def resolved_seconds(log_file: Path) -> float:
-    match = re.search(r"resolved in ([\d.]+) s", log_file.read_text())
-    assert match, log_file.read_text()[-2000:]
+def fallback_seconds(log: str) -> float:
+    """How long ember tried the hub before it fell back, from its log."""
+    match = re.search(r"gave up on the hub for \S+ after ([\d.]+) s", log)
+    assert match, log[-2000:]
     return float(match.group(1))
 
 
@@ -110,14 +116,23 @@ async def test_default_model_downloads_with_progress_then_starts_from_the_cache(
         try:
             current = await wait_ready(client)
             assert current["engine"]["model"] == HUB_ID
+            # The load: one indeterminate progress naming each stage, from the download to ready.
             reports = load_reports(client)
-            downloading = [r for r in reports if isinstance(r, types.WorkDoneProgressReport) and "downloading" in (r.message or "")]
-            assert len(downloading) >= 2, reports
-            assert all(re.search(r"[\d.]+ of [\d.]+ MB \(\d+%\)", r.message) for r in downloading), downloading
-            percents = [r.percentage for r in downloading]
-            assert percents == sorted(percents) and percents[0] < 100 and percents[-1] > 0, percents
-            assert any(f"loading {HUB_ID}" == r.message for r in reports if isinstance(r, types.WorkDoneProgressReport))
+            stages = [r.message for r in reports[1:-1]]
+            assert f"downloading {HUB_ID}" in stages and stages[-1] == f"loading {HUB_ID}", stages
             assert isinstance(reports[-1], types.WorkDoneProgressEnd) and "ready" in reports[-1].message
+            # The download: a progress of its own with megabytes and a percentage.
+            (download,) = progress(client, "ember-download")
+            assert isinstance(download[0], types.WorkDoneProgressBegin) and download[0].percentage is not None
+            assert isinstance(download[-1], types.WorkDoneProgressEnd)
+            steps = download[:-1]
+            assert len(steps) >= 3, download
+            megabytes = [re.fullmatch(rf"downloading {HUB_ID}: ([\d.]+) of ([\d.]+) MB", r.message or "") for r in steps]
+            assert all(megabytes), steps
+            done, total = [float(m.group(1)) for m in megabytes], {float(m.group(2)) for m in megabytes}
+            assert done == sorted(done) and len(total) == 1 and total.pop() > 100, steps
+            percents = [r.percentage for r in steps]
+            assert None not in percents and percents == sorted(percents) and percents[0] < 100 and percents[-1] > 0, percents
             await completes(client)
             assert fallback_messages(client) == []
         finally:
@@ -134,6 +149,7 @@ async def test_default_model_downloads_with_progress_then_starts_from_the_cache(
         current = await wait_ready(client)
         assert current["engine"]["model"] == HUB_ID
         assert not any("downloading" in (getattr(r, "message", None) or "") for r in load_reports(client))
+        assert progress(client, "ember-download") == []
         await completes(client)
         assert fallback_messages(client) == []
     finally:
@@ -155,7 +171,7 @@ async def test_no_hub_falls_back_to_the_bundled_model_at_once(tmp_path: Path, no
     try:
         current = await wait_ready(client)
         assert current["engine"]["model"] == BUNDLED_NAME
-        assert resolved_seconds(log_file) < HUB_TIMEOUT_S
+        assert fallback_seconds(log_file.read_text()) < HUB_TIMEOUT_S
         await completes(client)
         await completes(client)
         messages = fallback_messages(client)
@@ -202,12 +218,12 @@ def test_a_hub_that_never_answers_costs_only_the_stated_timeout(tmp_path: Path) 
         silent.listen(16)
         env = server_env(tmp_path / "hf", HF_ENDPOINT=f"http://127.0.0.1:{silent.getsockname()[1]}")
         code = (
-            "import json, time; from engine.models import resolve_model; t = time.monotonic(); m = resolve_model(None); "
-            "print(json.dumps({'name': m.name, 'reason': m.fallback_reason, 's': time.monotonic() - t}))"
+            "import json, logging; logging.basicConfig(); from engine.models import resolve_model; m = resolve_model(None); "
+            "print(json.dumps({'name': m.name, 'reason': m.fallback_reason}))"
         )
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["name"] == BUNDLED_NAME
     assert f"did not answer within {HUB_TIMEOUT_S:g} s" in result["reason"]
-    assert HUB_TIMEOUT_S - 0.5 < result["s"] < HUB_TIMEOUT_S + 2, result
+    assert HUB_TIMEOUT_S - 0.5 < fallback_seconds(done.stderr) < HUB_TIMEOUT_S + 1.0
