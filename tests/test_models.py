@@ -102,6 +102,21 @@ def test_the_default_is_a_fill_in_the_middle_code_model_by_hardware() -> None:
     assert (DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL) == ("Qwen/Qwen2.5-Coder-0.5B", "Qwen/Qwen2.5-Coder-1.5B")
 
 
+def test_ember_model_names_the_embedded_model_and_bundled_is_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.models import resolve_model
+    from lsp.cli import parse_args, settings_from_args
+
+    monkeypatch.setenv("EMBER_MODEL", "bundled")
+    assert settings_from_args(parse_args([])).model == "bundled"
+    assert settings_from_args(parse_args(["--model", "owner/name"])).model == "owner/name"
+    # A remote server's model name comes from --model only.
+    assert settings_from_args(parse_args(["--engine-url", "http://127.0.0.1:9/v1"])).model is None
+    monkeypatch.delenv("EMBER_MODEL")
+    assert settings_from_args(parse_args([])).model is None
+    bundled = resolve_model("bundled")
+    assert (bundled.name, bundled.source, bundled.fallback_reason) == (BUNDLED_NAME, "bundled", None)
+
+
 @pytest.mark.slow
 async def test_default_model_downloads_with_progress_then_starts_from_the_cache(tmp_path: Path) -> None:
     """No --model: the default hub id (pointed at the local hub) is downloaded into HF_HOME with
