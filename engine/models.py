@@ -245,10 +245,13 @@ def cached_hub_model(repo_id: str) -> str | None:
     from huggingface_hub import snapshot_download
 
     try:
-        folder = snapshot_download(repo_id, local_files_only=True, allow_patterns=list(HUB_FILES))
+        folder = Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=list(HUB_FILES)))
     except Exception:  # noqa: BLE001 - not cached, partly cached, or an unreadable cache: fetch it
         return None
-    return folder if (Path(folder) / "config.json").is_file() else None
+    # Older caches have no file list to check against, and a config fetched alone (transformers'
+    # AutoConfig does that) is no model: want the config and weights.
+    weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    return str(folder) if (folder / "config.json").is_file() and weights else None
 
 
 def _ask_hub(repo_id: str) -> Any:
