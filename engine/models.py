@@ -231,7 +231,7 @@ def fetch_hub_model(repo_id: str, progress: LoadProgress) -> str:
         # Revision "main" (not info.sha): only then does the cache record refs/main, which the
         # offline look-up of the next start reads.
         folder = snapshot_download(repo_id, allow_patterns=[name for name, _ in files], etag_timeout=HUB_TIMEOUT_S)
-    except Exception as exc:  # noqa: BLE001 - a download cut short: the hub is not usable now
+    except Exception as exc:  # a download cut short: the hub is not usable now
         raise HubUnreachable(f"downloading {repo_id} from {constants.ENDPOINT} failed: {_brief(exc)}") from exc
     finally:
         done.set()
@@ -285,7 +285,7 @@ def _ask_hub(repo_id: str) -> Any:
             f"model {repo_id!r} was not found on the Hugging Face hub ({constants.ENDPOINT}): check the id "
             "(owner/name, as on the model's hub page), or pass --model with a local folder or .gguf file"
         ) from exc
-    except Exception as exc:  # noqa: BLE001 - no answer that says the model does not exist: unreachable
+    except Exception as exc:  # no answer that says the model does not exist: unreachable
         raise HubUnreachable(
             f"could not reach {constants.ENDPOINT} ({_brief(exc)}, after {time.monotonic() - started:.1f} s)"
         ) from exc

@@ -80,7 +80,7 @@ class LocalHub:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
             def do_HEAD(self) -> None:
