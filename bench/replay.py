@@ -297,9 +297,7 @@ class Server:
 
 async def start_server(name: str, args: argparse.Namespace) -> Server:
     options = {"maxTokens": args.max_tokens, **CONFIGS[name]}
-    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
-    if args.model:
-        command += ["--model", args.model]
+    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING", "--model", args.model]
     client = LanguageClient("ember-replay", "0.1")
     started = time.perf_counter()
     await client.start_io(*command, cwd=str(ROOT))
@@ -523,7 +521,7 @@ async def main() -> int:
     parser.add_argument("--switch-s", type=float, default=1.5, help="pause when the replay switches servers")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--configs", default="ember,off", help="comma-separated: ember, off, cold")
-    parser.add_argument("--model", help="passed to the server as --model (default: its bundled SmolLM2-135M)")
+    parser.add_argument("--model", default="bundled", help="passed to the server as --model (default: bundled, SmolLM2-135M)")
     parser.add_argument("--out", default=str(RESULTS / "replay.json"))
     args = parser.parse_args()
 

@@ -32,6 +32,7 @@ from context.document import Document, PositionError, utf16_position
 from context.prompt import Snippet, select_snippets
 from engine.base import Engine
 from lsp import VERSION
+from engine.models import LoadProgress
 from lsp.completer import Completer
 from lsp.config import ConfigError, Settings, merge_settings
 from lsp.metrics import Metrics, RequestMetrics
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STATS_METHOD = "ember/stats"
 WARMUP_PAUSE_S = 0.4
+PROGRESS_REPORT_S = 0.25  # how often model download/loading progress is sent to the editor
 SNIPPET_CHARS = 880  # cross-file context: within the prompt builder's snippet budget (256 tokens)
 SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
 
@@ -79,9 +81,11 @@ class RateLimit:
 class EmberCore:
     """Process-wide state: the engine, the completion caches and the metrics."""
 
-    def __init__(self, settings: Settings, engine_factory: Callable[[Settings], Engine] | None = None) -> None:
+    def __init__(self, settings: Settings, engine_factory: Callable[[Settings, LoadProgress], Engine] | None = None) -> None:
         self.settings = settings
         self._engine_factory = engine_factory or default_engine_factory
+        # Written by the worker thread that builds the engine, read by report_loading.
+        self.load_progress = LoadProgress()
         self.engine: Engine | None = None
         self.engine_error: str | None = None
         self._start_task: asyncio.Task[None] | None = None
@@ -131,13 +135,14 @@ class EmberCore:
         """Start loading the model once; later calls return the same task."""
         if self._start_task is None:
             self._engine_settings = settings or self.settings
+            self.load_progress.set("loading" if self._engine_settings.engine_url else "resolving", model_label(self._engine_settings))
             self._start_task = asyncio.get_running_loop().create_task(self._start(self._engine_settings))
         return self._start_task
 
     async def _start(self, settings: Settings) -> None:
         self.engine_starts += 1
         try:
-            engine = await asyncio.to_thread(self._engine_factory, settings)
+            engine = await asyncio.to_thread(self._engine_factory, settings, self.load_progress)
             await engine.start()
             self.engine = engine
             self.engine_error = None
@@ -160,9 +165,16 @@ class EmberCore:
             await self.engine.close()
 
 
-def default_engine_factory(settings: Settings) -> Engine:
-    """Remote when an engine URL is configured, else embedded vLLM (resolving the model may convert
-    a GGUF file: this runs in a worker thread)."""
+def model_label(settings: Settings) -> str:
+    """What the editor is told is loading before the model is resolved."""
+    if settings.engine_url:
+        return ",".join(settings.engine_url)
+    return settings.model or "the default code model"
+
+
+def default_engine_factory(settings: Settings, progress: LoadProgress) -> Engine:
+    """Remote when an engine URL is configured, else embedded vLLM (resolving the model may
+    download it or convert a GGUF file: this runs in a worker thread, telling ``progress``)."""
     if settings.engine_url:
         from engine.remote import RemoteEngine
 
@@ -177,7 +189,12 @@ def default_engine_factory(settings: Settings) -> Engine:
     from engine.embedded import EmbeddedConfig, EmbeddedEngine
     from engine.models import resolve_model
 
-    model = resolve_model(settings.model)
+    started = time.monotonic()
+    model = resolve_model(settings.model, progress=progress)
+    log.info("model %s (%s: %s), resolved in %.1f s", model.name, model.source, model.path, time.monotonic() - started)
+    if model.fallback_reason:
+        progress.set_fallback(model.fallback_reason)
+    progress.set("loading", model.name)
     return EmbeddedEngine(EmbeddedConfig(model_path=model.path, model_name=model.name, prefix_caching=settings.prefix_cache))
 
 
@@ -662,26 +679,67 @@ def process_memory(core: EmberCore) -> dict[str, Any]:
 
 
 async def report_loading(ls: EmberServer) -> None:
-    """Work-done progress while the model loads (when the client supports it)."""
+    """Work-done progress while the model downloads and loads (when the client supports it); then,
+    once per editor, the warning that a fallback model stands in for the code model."""
     core = ls.core
-    if core.ready:
-        return
+    if not core.ready:
+        await show_loading_progress(ls)
+    reason = core.load_progress.current().fallback_reason
+    if core.ready and reason:
+        ls.notify_user(reason, types.MessageType.Warning)
+
+
+async def show_loading_progress(ls: EmberServer) -> None:
+    """One indeterminate progress for getting the model ready (its message names the stage), and
+    while the model downloads a second one with bytes and a percentage: LSP lets a client ignore
+    percentages in reports unless the begin had one, and the load as a whole has none to give."""
+    core = ls.core
     window = ls.client_capabilities.window if ls.client_capabilities else None
     if not (window and window.work_done_progress):
         await core.wait_ready()
         return
-    token = f"ember-load-{uuid.uuid4().hex[:8]}"
-    try:
-        await ls.work_done_progress.create_async(token)
-    except Exception as exc:
-        log.debug("client refused progress token: %s", exc)
+    token = await new_progress_token(ls, "ember-load")
+    if token is None:
+        await core.wait_ready()
         return
-    model = core.settings.model or (",".join(core.settings.engine_url) if core.settings.engine_url else "the bundled model")
-    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=f"loading {model}"))
-    ready = await core.wait_ready()
+    shown = core.load_progress.current()
+    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=shown.describe()))
+    download: str | None = None
+    waiting = asyncio.ensure_future(core.wait_ready())
+    while not waiting.done():
+        await asyncio.wait({waiting}, timeout=PROGRESS_REPORT_S)
+        state = core.load_progress.current()
+        if state == shown or waiting.done():
+            continue
+        if state.stage == "downloading" and download is not None:
+            ls.work_done_progress.report(download, types.WorkDoneProgressReport(message=state.describe(), percentage=state.percent()))
+        elif state.stage == "downloading" and shown.stage != "downloading":
+            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=f"downloading {state.model}"))
+            download = await new_progress_token(ls, "ember-download")
+            if download is not None:
+                begin = types.WorkDoneProgressBegin(title="ember", message=state.describe(), percentage=state.percent() or 0)
+                ls.work_done_progress.begin(download, begin)
+        elif state.stage != "downloading":
+            if download is not None:
+                ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message=f"downloaded {shown.model}"))
+                download = None
+            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=state.describe()))
+        shown = state
+    ready = waiting.result()
+    if download is not None:
+        ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message="download stopped"))
     message = "model ready" if ready else f"engine failed: {core.engine_error}"
     ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
     if not ready:
         ls.notify_user(f"the engine is not available: {core.engine_error}")
 
 
+async def new_progress_token(ls: EmberServer, prefix: str) -> str | None:
+    """A work-done progress token the client agreed to (``window/workDoneProgress/create``)."""
+    token = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    try:
+        await ls.work_done_progress.create_async(token)
+    except Exception as exc:
+        log.debug("client refused progress token: %s", exc)
+        return None
+    return token
