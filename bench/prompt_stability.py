@@ -260,9 +260,9 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from engine.models import resolve_model
+    from engine.models import resolve_bundled
 
-    model = resolve_model(None)
+    model = resolve_bundled()
     # The Rust tokenizer under the transformers wrapper: the same ids, a third of the overhead.
     backend = AutoTokenizer.from_pretrained(model.path).backend_tokenizer
 

@@ -304,9 +304,7 @@ class Server:
 
 async def start_server(name: str, args: argparse.Namespace) -> Server:
     options = {"maxTokens": args.max_tokens, **CONFIGS[name]}
-    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
-    if args.model:
-        command += ["--model", args.model]
+    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING", "--model", args.model]
     for engine_arg in args.engine_arg:
         command += ["--engine-arg", engine_arg]
     client = LanguageClient("ember-replay", "0.1")
@@ -543,7 +541,7 @@ async def main() -> int:
     parser.add_argument("--configs", default="ember,off", help="comma-separated: ember, off, cold, eager, compiled")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a vLLM engine argument for every server (repeatable), as ember --engine-arg")
-    parser.add_argument("--model", help="passed to the server as --model (default: its bundled SmolLM2-135M)")
+    parser.add_argument("--model", default="bundled", help="passed to the server as --model (default: bundled, SmolLM2-135M)")
     parser.add_argument("--out", default=str(RESULTS / "replay.json"))
     args = parser.parse_args()
 

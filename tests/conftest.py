@@ -15,6 +15,12 @@ import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
+# Every ember the tests start (also through editors' configs, which launch plain `ember`) serves
+# the bundled model: no test may reach for a model hub or wait on its timeout (and should one
+# still ask, the Hugging Face client answers from the cache at once instead of going online).
+os.environ.setdefault("EMBER_MODEL", "bundled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 DATA = Path(__file__).parent / "data"
 
 # Every daemon a test starts (`ember --stdio` forwards to one by default) lives in this session's

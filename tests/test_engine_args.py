@@ -87,18 +87,21 @@ def test_engine_defaults_gpu_cpu_and_long_lived() -> None:
 
 
 def test_long_lived_core_builds_a_long_lived_engine_and_explicit_args_stay() -> None:
-    settings = merge_settings(Settings(), {"engineArgs": {"enforce_eager": True}})
-    engine = EmberCore(settings, long_lived=True)._engine_factory(settings)
+    from engine.models import LoadProgress
+
+    bundled = Settings(model="bundled")
+    settings = merge_settings(bundled, {"engineArgs": {"enforce_eager": True}})
+    engine = EmberCore(settings, long_lived=True)._engine_factory(settings, LoadProgress())
     assert engine.config.long_lived is True  # type: ignore[attr-defined]
     assert engine.config.engine_args == {"enforce_eager": True}  # type: ignore[attr-defined]
-    assert EmberCore(Settings())._engine_factory(Settings()).config.long_lived is False  # type: ignore[attr-defined]
+    assert EmberCore(bundled)._engine_factory(bundled, LoadProgress()).config.long_lived is False  # type: ignore[attr-defined]
 
 
 def test_engine_args_problem_reports_vllms_own_words() -> None:
     """Checked against vLLM's real config code (nothing is loaded or spawned)."""
-    from engine.models import resolve_model
+    from engine.models import resolve_bundled
 
-    base = ember_engine_args(EmbeddedConfig(model_path=resolve_model(None).path, model_name="m"), on_cpu=True)
+    base = ember_engine_args(EmbeddedConfig(model_path=resolve_bundled().path, model_name="m"), on_cpu=True)
     assert engine_args_problem({**base, "max_model_len": 4096}) is None
     unknown = engine_args_problem({**base, "max_model_lenght": 4096})
     assert unknown is not None and "'max_model_lenght'" in unknown and "max_model_len" in unknown
@@ -200,9 +203,9 @@ def _cuda() -> bool:
 @pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU; the CPU counterpart is test_max_model_len_reaches_vllm_and_stats")
 async def test_gpu_defaults_start_with_cuda_graphs_and_small_blocks() -> None:
     from engine.embedded import EmbeddedEngine
-    from engine.models import resolve_model
+    from engine.models import resolve_bundled
 
-    model = resolve_model(None)
+    model = resolve_bundled()
     engine = EmbeddedEngine(EmbeddedConfig(model_path=model.path, model_name=model.name, engine_args={"max_model_len": 4096}))
     await engine.start()
     try:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -291,6 +292,7 @@ def test_nvim_receives_ember_completion(which: str, tmp_path: Path) -> None:
     locate, lo, hi = NVIMS[which]
     binary = locate()
     assert lo <= nvim_version(binary) < hi
+    runtime = Path(tempfile.mkdtemp(prefix="en-"))  # the daemon's socket dir (a short path)
     env = isolated_env(
         tmp_path,
         EMBER_E2E_OUT=str(tmp_path / "out.json"),
@@ -298,8 +300,12 @@ def test_nvim_receives_ember_completion(which: str, tmp_path: Path) -> None:
         EMBER_E2E_CMD=json.dumps(ember_command()),
         EMBER_E2E_TIMEOUT="360",
         EMBER_E2E_TYPE=TYPED,
+        XDG_RUNTIME_DIR=str(runtime),
     )
     r = run_nvim(binary, E2E_LUA, tmp_path, env, timeout=540)
+    # `ember --stdio` forwarded to the per-user daemon, which served this Neovim.
+    daemon_logs = list((runtime / "ember").glob("*.log"))
+    assert daemon_logs and "editor connected from uid" in daemon_logs[0].read_text(), daemon_logs
     assert r["ok"], (r.get("error"), r.get("steps"), r["_output"])
     assert r["has_lsp_start"] == (tuple(map(int, r["nvim_version"].split("."))) >= (0, 8, 0))
     assert r["client_name"] == "ember" and r["client_count"] == 1

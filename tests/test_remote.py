@@ -407,9 +407,9 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from engine.models import resolve_model
+    from engine.models import resolve_bundled
 
-    return resolve_model(None).path
+    return resolve_bundled().path
 
 
 @pytest.fixture(scope="module", autouse=True)
