@@ -273,6 +273,19 @@ async def test_other_versions_and_other_users_are_refused(runtime: Path) -> None
         await window.close()
 
 
+async def test_without_a_usable_runtime_dir_the_window_runs_its_own_server(runtime: Path) -> None:
+    (runtime / "ember").mkdir(mode=0o700)
+    os.chmod(runtime / "ember", 0o755)  # others could enter: no daemon socket may live there
+    window = Window(runtime, *NO_ENGINE)
+    try:
+        stats = await window.open()
+        assert stats["daemon"] is None  # an in-process server (`--daemon off`), child of the forwarder
+        assert any("runs its own engine" in m and "0700" in m for m in window.messages), window.messages
+        assert not sockets(runtime) and not daemon_processes(runtime)
+    finally:
+        await window.close()
+
+
 # ------------------------------------------------------------------------------ with the bundled model
 
 
