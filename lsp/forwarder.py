@@ -331,9 +331,9 @@ class Forwarder:
             writer.write(frame(_dump(replayed)))
         held, self.held = self.held, []
         for body in held:
-            message = _parse(body)
-            if message is not None and message.get("method") is not None and message.get("id") is not None:
-                self.pending[message["id"]] = message["method"]
+            request = _parse(body)
+            if request is not None and request.get("method") is not None and request.get("id") is not None:
+                self.pending[request["id"]] = request["method"]
             writer.write(frame(body))
         self.writer, self.daemon_info = writer, info
         self.connected.set()

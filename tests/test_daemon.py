@@ -331,3 +331,98 @@ async def test_windows_share_one_engine_and_survive_a_killed_daemon(runtime: Pat
         await first.close()
         await second.close()
     assert len(daemon_processes(runtime)) <= 1
+
+
+# ------------------------------------------------------------------------------ forwarder edges, scripted daemon
+
+
+class EditorOut:
+    """What the forwarder writes to the editor, as parsed messages."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def flush(self) -> None:
+        pass
+
+    def messages(self) -> list[dict[str, Any]]:
+        found, rest = [], self.data
+        while rest:
+            header, _, rest = rest.partition(b"\r\n\r\n")
+            length = int(header.split(b":")[1])
+            found.append(json.loads(rest[:length]))
+            rest = rest[length:]
+        return found
+
+
+async def test_forwarder_answers_lost_requests_and_replays_to_the_next_daemon(runtime: Path) -> None:
+    """A scripted daemon that dies on the first completion request: the editor gets an empty answer
+    for it and an error for the lost stats request, a message, and the next daemon gets initialize,
+    initialized and the document with the edit made before."""
+    from lsp.forwarder import Forwarder
+    from lsp.framing import ResyncReader, frame, read_message
+
+    path = runtime / "d.sock"
+    seen: list[list[dict[str, Any]]] = []
+
+    async def scripted_daemon(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        writer.write(b'ok {"pid": %d, "socket": "scripted"}\n' % len(seen))
+        received: list[dict[str, Any]] = []
+        seen.append(received)
+        stream = ResyncReader(reader)
+        while (body := await read_message(stream)) is not None:
+            message = json.loads(body)
+            received.append(message)
+            if message.get("method") == "initialize":
+                writer.write(frame(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {"capabilities": {}}}).encode()))
+            elif message.get("method") == "textDocument/inlineCompletion":
+                if len(seen) == 1:
+                    writer.close()  # dies with two requests in flight
+                    return
+                writer.write(frame(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {"items": []}}).encode()))
+
+    server = await asyncio.start_unix_server(scripted_daemon, path=str(path))
+    out = EditorOut()
+    forwarder = Forwarder({"maxTokens": 8}, Settings(), str(path), [], [], out)  # type: ignore[arg-type]
+
+    async def send(message: dict[str, Any]) -> None:
+        await forwarder.from_editor(json.dumps({"jsonrpc": "2.0", **message}).encode())
+
+    async def until(predicate: Any) -> None:
+        for _ in range(200):
+            if predicate():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(out.messages())
+
+    item = {"uri": URI, "languageId": "python", "version": 1, "text": "x = 1\n"}
+    change = {"range": {"start": {"line": 1, "character": 0}, "end": {"line": 1, "character": 0}}, "text": "y = "}
+    position = {"textDocument": {"uri": URI}, "position": {"line": 1, "character": 4}}
+    try:
+        await send({"id": 1, "method": "initialize", "params": {"capabilities": {}, "initializationOptions": {"debounceMs": 0}}})
+        await send({"method": "initialized", "params": {}})
+        await send({"method": "textDocument/didOpen", "params": {"textDocument": item}})
+        await send({"method": "textDocument/didChange", "params": {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [change]}})
+        await send({"id": 2, "method": "ember/stats", "params": {}})
+        await send({"id": 3, "method": "textDocument/inlineCompletion", "params": position})
+        await until(lambda: len(seen) == 2 and len(seen[1]) >= 3)  # the next daemon got the replay
+        await send({"id": 4, "method": "textDocument/inlineCompletion", "params": position})
+        await until(lambda: any(m.get("id") == 4 for m in out.messages()))
+    finally:
+        server.close()
+
+    answers = {m["id"]: m for m in out.messages() if "id" in m and "method" not in m}
+    assert answers[1]["result"] == {"capabilities": {}}
+    assert answers[2]["error"]["code"] == -32803  # lost: the editor may ask again
+    assert answers[3]["result"] is None  # a lost completion is an empty one
+    assert answers[4]["result"] == {"items": []}  # the next request is served by the next daemon
+    assert any(m.get("method") == "window/showMessage" and "daemon stopped" in m["params"]["message"] for m in out.messages())
+    first, second = seen
+    assert first[0]["params"]["initializationOptions"] == {"maxTokens": 8, "debounceMs": 0}  # command line under the editor's
+    assert [m["method"] for m in second[:3]] == ["initialize", "initialized", "textDocument/didOpen"]
+    assert second[0]["id"] != 1  # the editor's initialize was answered already
+    assert second[2]["params"]["textDocument"] == {"uri": URI, "languageId": "python", "version": 2, "text": "x = 1\ny = "}
