@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if not tcp and args.daemon != "off":
         from lsp.forwarder import forward_stdio
 
-        return forward_stdio(args, cli_options(args), settings)
+        return forward_stdio(args, argv, cli_options(args), settings)
 
     from lsp.server import EmberCore
 

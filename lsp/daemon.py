@@ -136,10 +136,12 @@ def admits(uid: int | None, own_uid: int) -> bool:
 
 # ---------------------------------------------------------------------------------- client half
 
+Link = tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]  # reader, writer, the daemon's greeting
+
 
 async def open_daemon(
     address: DaemonAddress, command: str = "lsp", key: str | None = None, timeout_s: float = HANDSHAKE_TIMEOUT_S
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]:
+) -> Link:
     """Connects and greets; raises DaemonError (nobody listens there), DaemonBusy or DaemonRefused."""
     try:
         reader, writer = await asyncio.open_unix_connection(str(address.socket))
@@ -181,42 +183,38 @@ def start_lock(address: DaemonAddress, timeout_s: float = START_TIMEOUT_S + 10) 
         os.close(fd)  # releases the lock
 
 
-async def connect_or_start(
-    address: DaemonAddress, engine: dict[str, Any], daemon_args: list[str]
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]:
-    """Joins the daemon at ``address``, starting it (detached) when none answers there."""
+async def _join(address: DaemonAddress) -> Link | None:
+    """The daemon at ``address``; None when nobody listens there (Busy and Refused propagate:
+    a live daemon's socket is never taken for a stale one)."""
     try:
         return await open_daemon(address, timeout_s=START_TIMEOUT_S)
     except (DaemonRefused, DaemonBusy):
         raise
     except DaemonError:
-        pass
-    loop = asyncio.get_running_loop()
+        return None
+
+
+async def connect_or_start(address: DaemonAddress, engine: dict[str, Any], daemon_args: list[str]) -> Link:
+    """Joins the daemon at ``address``, starting it (detached) when none answers there."""
+    if (link := await _join(address)) is not None:
+        return link
     lock = start_lock(address)
-    await loop.run_in_executor(None, lock.__enter__)
+    await asyncio.get_running_loop().run_in_executor(None, lock.__enter__)
     try:
-        try:
-            return await open_daemon(address, timeout_s=START_TIMEOUT_S)  # another editor started it meanwhile
-        except (DaemonRefused, DaemonBusy):
-            raise
-        except DaemonError:
-            pass
+        if (link := await _join(address)) is not None:  # another editor started it meanwhile
+            return link
         if address.socket.exists() or address.socket.is_symlink():
             log.info("removing the stale daemon socket %s", address.socket)
             address.socket.unlink()
         process = spawn_daemon(address, engine, daemon_args)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                return await open_daemon(address, timeout_s=START_TIMEOUT_S)
-            except (DaemonRefused, DaemonBusy):
-                raise
-            except DaemonError:
-                if process.returncode is not None:  # set by the reaper thread
-                    raise DaemonError(f"the daemon exited with code {process.returncode} while starting; see {address.log}")
-                if time.monotonic() > deadline:
-                    raise DaemonError(f"the daemon did not answer within {START_TIMEOUT_S:.0f} s; see {address.log}")
-                await asyncio.sleep(0.05)
+        while (link := await _join(address)) is None:
+            if process.returncode is not None:  # set by the reaper thread
+                raise DaemonError(f"the daemon exited with code {process.returncode} while starting; see {address.log}")
+            if time.monotonic() > deadline:
+                raise DaemonError(f"the daemon did not answer within {START_TIMEOUT_S:.0f} s; see {address.log}")
+            await asyncio.sleep(0.05)
+        return link
     finally:
         lock.__exit__(None, None, None)
 

@@ -124,10 +124,13 @@ class StdinReader:
 
 
 class Forwarder:
-    def __init__(self, cli_options: dict[str, Any], cli_settings: Settings, mode: str, daemon_args: list[str], out: BinaryIO) -> None:
+    def __init__(
+        self, cli_options: dict[str, Any], cli_settings: Settings, mode: str, argv: list[str], daemon_args: list[str], out: BinaryIO
+    ) -> None:
         self.cli_options = cli_options
         self.cli_settings = cli_settings
-        self.mode = mode  # "auto" or the socket of a running daemon to join
+        self.mode = mode  # "auto", "own" (no daemon could be had), or the socket of a daemon to join
+        self.own_server_args = [*without_daemon_flag(argv), "--daemon", "off"]
         self.daemon_args = daemon_args
         self.out = out
         self.state = SessionState()
@@ -167,7 +170,7 @@ class Forwarder:
             try:
                 await self._connect()
             except daemon.DaemonError as exc:
-                error = {"code": REQUEST_FAILED, "message": f"ember: {exc}; `ember --stdio --daemon off` serves without the daemon"}
+                error = {"code": REQUEST_FAILED, "message": f"ember: {exc}; `--daemon auto` or `--daemon off` serve without it"}
                 self.to_editor(_dump({"jsonrpc": "2.0", "id": msg_id, "error": error}))
                 raise
             body = _dump(message)
@@ -227,13 +230,27 @@ class Forwarder:
         except ConfigError:
             return self.cli_settings  # the daemon reports the bad value to the editor itself
 
-    async def _connect(self) -> None:
+    async def _open_link(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]:
+        """The daemon for this session's engine settings (started when none runs); where no daemon
+        can be had, an in-process server of this window's own (``--daemon off``) as a child."""
         settings = self.engine_settings()
         if self.mode == "auto":
-            address = daemon.DaemonAddress.for_key(daemon.daemon_key(settings))
-            reader, writer, info = await daemon.connect_or_start(address, daemon.engine_options(settings), self.daemon_args)
-        else:
-            reader, writer, info = await daemon.open_daemon(daemon.DaemonAddress(Path(self.mode), daemon.ANY_KEY))
+            try:
+                address = daemon.DaemonAddress.for_key(daemon.daemon_key(settings))
+                return await daemon.connect_or_start(address, daemon.engine_options(settings), self.daemon_args)
+            except daemon.DaemonError as exc:
+                self.mode = "own"
+                self.show_message(2, f"ember: no shared daemon ({exc}); this window runs its own engine")
+        if self.mode == "own":
+            server = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "lsp", *self.own_server_args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
+            assert server.stdin is not None and server.stdout is not None
+            return server.stdout, server.stdin, {"pid": server.pid, "socket": None}
+        return await daemon.open_daemon(daemon.DaemonAddress(Path(self.mode), daemon.ANY_KEY))
+
+    async def _connect(self) -> None:
+        reader, writer, info = await self._open_link()
         log.info("forwarding to the ember daemon (pid %s) at %s", info.get("pid"), info.get("socket"))
         self.writer, self.daemon_info = writer, info
         self.connected.set()
@@ -292,12 +309,7 @@ class Forwarder:
     async def _reconnect(self, editor_initialize: Any) -> None:
         if self.state.initialize is None:  # died before initialize: nothing to replay
             return
-        settings = self.engine_settings()
-        if self.mode == "auto":
-            address = daemon.DaemonAddress.for_key(daemon.daemon_key(settings))
-            reader, writer, info = await daemon.connect_or_start(address, daemon.engine_options(settings), self.daemon_args)
-        else:
-            reader, writer, info = await daemon.open_daemon(daemon.DaemonAddress(Path(self.mode), daemon.ANY_KEY))
+        reader, writer, info = await self._open_link()
         self.internal_ids += 1
         init_id = editor_initialize if editor_initialize is not None else f"ember-forwarder-{self.internal_ids}"
         writer.write(frame(_dump({**self.state.initialize, "id": init_id})))
@@ -319,9 +331,9 @@ class Forwarder:
             writer.write(frame(_dump(replayed)))
         held, self.held = self.held, []
         for body in held:
-            message = _parse(body)
-            if message is not None and message.get("method") is not None and message.get("id") is not None:
-                self.pending[message["id"]] = message["method"]
+            request = _parse(body)
+            if request is not None and request.get("method") is not None and request.get("id") is not None:
+                self.pending[request["id"]] = request["method"]
             writer.write(frame(body))
         self.writer, self.daemon_info = writer, info
         self.connected.set()
@@ -359,6 +371,19 @@ def _dump(message: dict[str, Any]) -> bytes:
     return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
+def without_daemon_flag(argv: list[str]) -> list[str]:
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--daemon":
+            skip = True
+        elif not arg.startswith("--daemon="):
+            kept.append(arg)
+    return kept
+
+
 def daemon_args_from(args: argparse.Namespace) -> list[str]:
     """The flags of a daemon this forwarder starts (its engine settings travel separately)."""
     extra = ["--log-level", args.log_level]
@@ -369,12 +394,12 @@ def daemon_args_from(args: argparse.Namespace) -> list[str]:
     return extra
 
 
-def forward_stdio(args: argparse.Namespace, cli_options: dict[str, Any], settings: Settings) -> int:
+def forward_stdio(args: argparse.Namespace, argv: list[str], cli_options: dict[str, Any], settings: Settings) -> int:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nothing else may write into the LSP stream
     sys.stdout = sys.stderr
-    forwarder = Forwarder(cli_options, settings, args.daemon, daemon_args_from(args), out)
+    forwarder = Forwarder(cli_options, settings, args.daemon, argv, daemon_args_from(args), out)
     try:
         code = asyncio.run(forwarder.run(ResyncReader(StdinReader(sys.stdin.buffer))))
     except daemon.DaemonError as exc:

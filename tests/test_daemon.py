@@ -256,19 +256,34 @@ async def test_other_versions_and_other_users_are_refused(runtime: Path) -> None
             os.chmod(runtime, 0o755)
             os.chmod(Path(path).parent, 0o755)
             os.chmod(path, 0o777)
-            probe = (
+            probe = (  # the daemon closes at once: the greeting or the read may meet the closed socket
                 "import os, socket, sys\n"
                 "os.setuid(65534)\n"
                 "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
-                f"s.sendall(b'{PROTOCOL} {VERSION} {key} lsp\\n')\n"
-                "try:\n    print(repr(s.recv(100)))\n"
-                "except ConnectionResetError:\n    print('reset')\n"
+                "try:\n"
+                f"    s.sendall(b'{PROTOCOL} {VERSION} {key} lsp\\n')\n"
+                "    print(repr(s.recv(100)))\n"
+                "except (BrokenPipeError, ConnectionResetError):\n"
+                "    print('closed')\n"
             )
             result = subprocess.run([sys.executable, "-c", probe, path], capture_output=True, text=True, timeout=30)
             assert result.returncode == 0, result.stderr
-            assert result.stdout.strip() in ("b''", "reset"), result.stdout  # closed without a greeting
+            assert result.stdout.strip() in ("b''", "closed"), result.stdout  # closed without a greeting
             assert "refused a connection from uid 65534" in Path(path).with_suffix(".log").read_text()
         assert (await window.stats())["daemon"]["clients"] == 1
+    finally:
+        await window.close()
+
+
+async def test_without_a_usable_runtime_dir_the_window_runs_its_own_server(runtime: Path) -> None:
+    (runtime / "ember").mkdir(mode=0o700)
+    os.chmod(runtime / "ember", 0o755)  # others could enter: no daemon socket may live there
+    window = Window(runtime, *NO_ENGINE)
+    try:
+        stats = await window.open()
+        assert stats["daemon"] is None  # an in-process server (`--daemon off`), child of the forwarder
+        assert any("runs its own engine" in m and "0700" in m for m in window.messages), window.messages
+        assert not sockets(runtime) and not daemon_processes(runtime)
     finally:
         await window.close()
 
@@ -329,3 +344,98 @@ async def test_the_daemon_is_long_lived(runtime: Path) -> None:
         assert stats["engine"]["long_lived"] is True
     finally:
         await window.close()
+
+
+# ------------------------------------------------------------------------------ forwarder edges, scripted daemon
+
+
+class EditorOut:
+    """What the forwarder writes to the editor, as parsed messages."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def flush(self) -> None:
+        pass
+
+    def messages(self) -> list[dict[str, Any]]:
+        found, rest = [], self.data
+        while rest:
+            header, _, rest = rest.partition(b"\r\n\r\n")
+            length = int(header.split(b":")[1])
+            found.append(json.loads(rest[:length]))
+            rest = rest[length:]
+        return found
+
+
+async def test_forwarder_answers_lost_requests_and_replays_to_the_next_daemon(runtime: Path) -> None:
+    """A scripted daemon that dies on the first completion request: the editor gets an empty answer
+    for it and an error for the lost stats request, a message, and the next daemon gets initialize,
+    initialized and the document with the edit made before."""
+    from lsp.forwarder import Forwarder
+    from lsp.framing import ResyncReader, frame, read_message
+
+    path = runtime / "d.sock"
+    seen: list[list[dict[str, Any]]] = []
+
+    async def scripted_daemon(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        writer.write(b'ok {"pid": %d, "socket": "scripted"}\n' % len(seen))
+        received: list[dict[str, Any]] = []
+        seen.append(received)
+        stream = ResyncReader(reader)
+        while (body := await read_message(stream)) is not None:
+            message = json.loads(body)
+            received.append(message)
+            if message.get("method") == "initialize":
+                writer.write(frame(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {"capabilities": {}}}).encode()))
+            elif message.get("method") == "textDocument/inlineCompletion":
+                if len(seen) == 1:
+                    writer.close()  # dies with two requests in flight
+                    return
+                writer.write(frame(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {"items": []}}).encode()))
+
+    server = await asyncio.start_unix_server(scripted_daemon, path=str(path))
+    out = EditorOut()
+    forwarder = Forwarder({"maxTokens": 8}, Settings(), str(path), [], [], out)  # type: ignore[arg-type]
+
+    async def send(message: dict[str, Any]) -> None:
+        await forwarder.from_editor(json.dumps({"jsonrpc": "2.0", **message}).encode())
+
+    async def until(predicate: Any) -> None:
+        for _ in range(200):
+            if predicate():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(out.messages())
+
+    item = {"uri": URI, "languageId": "python", "version": 1, "text": "x = 1\n"}
+    change = {"range": {"start": {"line": 1, "character": 0}, "end": {"line": 1, "character": 0}}, "text": "y = "}
+    position = {"textDocument": {"uri": URI}, "position": {"line": 1, "character": 4}}
+    try:
+        await send({"id": 1, "method": "initialize", "params": {"capabilities": {}, "initializationOptions": {"debounceMs": 0}}})
+        await send({"method": "initialized", "params": {}})
+        await send({"method": "textDocument/didOpen", "params": {"textDocument": item}})
+        await send({"method": "textDocument/didChange", "params": {"textDocument": {"uri": URI, "version": 2}, "contentChanges": [change]}})
+        await send({"id": 2, "method": "ember/stats", "params": {}})
+        await send({"id": 3, "method": "textDocument/inlineCompletion", "params": position})
+        await until(lambda: len(seen) == 2 and len(seen[1]) >= 3)  # the next daemon got the replay
+        await send({"id": 4, "method": "textDocument/inlineCompletion", "params": position})
+        await until(lambda: any(m.get("id") == 4 for m in out.messages()))
+    finally:
+        server.close()
+
+    answers = {m["id"]: m for m in out.messages() if "id" in m and "method" not in m}
+    assert answers[1]["result"] == {"capabilities": {}}
+    assert answers[2]["error"]["code"] == -32803  # lost: the editor may ask again
+    assert answers[3]["result"] is None  # a lost completion is an empty one
+    assert answers[4]["result"] == {"items": []}  # the next request is served by the next daemon
+    assert any(m.get("method") == "window/showMessage" and "daemon stopped" in m["params"]["message"] for m in out.messages())
+    first, second = seen
+    assert first[0]["params"]["initializationOptions"] == {"maxTokens": 8, "debounceMs": 0}  # command line under the editor's
+    assert [m["method"] for m in second[:3]] == ["initialize", "initialized", "textDocument/didOpen"]
+    assert second[0]["id"] != 1  # the editor's initialize was answered already
+    assert second[2]["params"]["textDocument"] == {"uri": URI, "languageId": "python", "version": 2, "text": "x = 1\ny = "}
