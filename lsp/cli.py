@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lsp import VERSION
-from lsp.config import USEFUL_ENGINE_ARGS, ConfigError, Settings, merge_settings, parse_engine_arg, vllm_flags
+from lsp.config import (
+    USEFUL_ENGINE_ARGS,
+    ConfigError,
+    Settings,
+    merge_settings,
+    parse_engine_arg,
+    vllm_flags,
+)
 from lsp.framing import ResyncReader
 
 if TYPE_CHECKING:

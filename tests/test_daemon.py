@@ -31,7 +31,14 @@ from lsp import VERSION
 from lsp.config import Settings, merge_settings
 from lsp.daemon import PROTOCOL, DaemonAddress, admits, daemon_key, peer_uid
 from lsp.forwarder import SessionState
-from tests.conftest import DATA, EAGER, client_capabilities, plain, stop_daemons, wait_ready
+from tests.conftest import (
+    DATA,
+    EAGER,
+    client_capabilities,
+    plain,
+    stop_daemons,
+    wait_ready,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_ENGINE = ["--engine-url", "http://127.0.0.1:9/v1"]  # loopback port 9 (discard): nothing answers
