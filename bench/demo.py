@@ -51,6 +51,9 @@ async def main() -> int:
     command = [sys.executable, "-m", "lsp", "--stdio", "--log-level", "WARNING"]
     for url in args.engine_url:
         command += ["--engine-url", url]
+    if not args.engine_url:
+        # A short run: start-up dominates, so the daemon's engine starts eager (not compiled).
+        command += ["--engine-arg", "enforce_eager=true"]
     if args.model:
         command += ["--model", args.model]
 

@@ -274,7 +274,8 @@ def start_server(log_path: Path, max_tokens: int) -> tuple[subprocess.Popen[byte
     """``ember --tcp 127.0.0.1:0``; its stderr goes to a file (an unread pipe would block vLLM's logs)."""
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "lsp", "--tcp", "127.0.0.1:0", "--model", "bundled", "--max-tokens", str(max_tokens), "--log-level", "WARNING"],
+            [sys.executable, "-m", "lsp", "--tcp", "127.0.0.1:0", "--model", "bundled", "--max-tokens", str(max_tokens), "--log-level", "WARNING",
+             "--engine-arg", "enforce_eager=true"],  # compiled mode would add 40-120 s of start-up
             stderr=log,
             stdout=subprocess.DEVNULL,
             cwd=ROOT,

@@ -66,6 +66,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `context` and `bench` imp
 
 from context.languages import grammar_for, normalize_language_id, parser_for  # noqa: E402
 from context.postprocess import syntax_ok  # noqa: E402
+from lsp.config import parse_engine_arg  # noqa: E402
 
 EVAL = Path("/work/shared/eval")
 DEV_FILES = [EVAL / "humaneval_infilling_dev.jsonl", EVAL / "safim_dev.jsonl"]
@@ -793,6 +794,9 @@ def server_options(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     }
     if args.context_tokens:
         options["contextTokens"] = args.context_tokens
+    if args.engine_arg:
+        # The engine starts with the editor's settings over stdio: engineArgs is ember --engine-arg.
+        options["engineArgs"] = dict(parse_engine_arg(text) for text in args.engine_arg)
     return options
 
 
@@ -844,6 +848,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--context-tokens", type=int, help="ember contextTokens (default: ember's)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a vLLM engine argument (repeatable), as ember --engine-arg")
     parser.add_argument("--timeout-ms", type=int, default=60000, help="ember timeoutMs (high: a slow CPU should not cut output)")
     parser.add_argument("--warmup", action="store_true", help="leave ember's warm-up on (off by default: each case is opened once)")
     parser.add_argument("--reuse", action="store_true", help="leave ember's completion cache and typed-through reuse on")

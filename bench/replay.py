@@ -24,6 +24,10 @@ Configurations, each its own ``python -m lsp --stdio`` process:
   off:   ``reuse: false, warmup: false, promptStrategy: "naive"`` (vLLM's own prefix cache still on,
          as vLLM defaults: its hits are what the naive prompt gets by luck)
   cold:  off, and ``prefixCache: false`` (no KV reuse at all: every request prefills its prompt)
+  eager, compiled: ember with ``engineArgs: {"enforce_eager": true | false}``: vLLM's eager mode
+         (stdio's default on the CPU) against compiled mode (torch.compile; the TCP server's and
+         the daemon's default); the table shows each one's engine start, ttft and decode rate.
+``--engine-arg KEY=VALUE`` (repeatable) is passed to every server, e.g. ``max_model_len=4096``.
 By default both servers load at once and the replay alternates between them body by body (which
 one goes first alternates too), so that a shared machine whose load drifts during the run affects
 both alike and the models load in parallel; ``--schedule sequential`` runs one after the other.
@@ -74,6 +78,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "off": {"reuse": False, "warmup": False, "promptStrategy": "naive"},
     # off, and the engine's KV prefix cache off too: every request prefills its whole prompt.
     "cold": {"reuse": False, "warmup": False, "promptStrategy": "naive", "prefixCache": False},
+    # vLLM's execution mode, over the engineArgs setting (the engine starts with the editor's).
+    "eager": {"reuse": True, "warmup": True, "promptStrategy": "ast", "engineArgs": {"enforce_eager": True}},
+    "compiled": {"reuse": True, "warmup": True, "promptStrategy": "ast", "engineArgs": {"enforce_eager": False}},
 }
 FAST_CACHE_MS = 10.0
 _FUNCTIONS = frozenset({"function_definition"})
@@ -298,6 +305,8 @@ class Server:
 async def start_server(name: str, args: argparse.Namespace) -> Server:
     options = {"maxTokens": args.max_tokens, **CONFIGS[name]}
     command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING", "--model", args.model]
+    for engine_arg in args.engine_arg:
+        command += ["--engine-arg", engine_arg]
     client = LanguageClient("ember-replay", "0.1")
     started = time.perf_counter()
     await client.start_io(*command, cwd=str(ROOT))
@@ -401,6 +410,12 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     for m in ms:
         outcomes[m.get("outcome", "?")] = outcomes.get(m.get("outcome", "?"), 0) + 1
     fast_along = [r for r in along if r.metrics.get("cache_hit") and r.metrics["latency_ms"] <= FAST_CACHE_MS]
+    # Decode rate of a generation: the tokens after the first over the time after the first.
+    decode = [
+        (m["streamed_tokens"] - 1) / ((m["latency_ms"] - m["ttft_ms"]) / 1000)
+        for m in generated
+        if m.get("ttft_ms") is not None and m.get("streamed_tokens", 0) >= 4 and m["latency_ms"] > m["ttft_ms"]
+    ]
     return {
         "requests": len(records),
         "recorded": len(ms),
@@ -409,6 +424,7 @@ def summarize(records: list[Record]) -> dict[str, Any]:
         "latency_ms": {"p50": pct(latency, 0.5), "p95": pct(latency, 0.95), "n": len(latency)},
         "client_ms": {"p50": pct([r.client_ms for r in records], 0.5), "p95": pct([r.client_ms for r in records], 0.95)},
         "ttft_ms": {"p50": pct(ttft, 0.5), "p95": pct(ttft, 0.95), "mean": statistics.fmean(ttft) if ttft else None, "n": len(ttft)},
+        "decode_tokens_per_s": {"p50": pct(decode, 0.5), "mean": statistics.fmean(decode) if decode else None, "n": len(decode)},
         "generated_latency_ms": {"p50": pct([m["latency_ms"] for m in generated], 0.5), "p95": pct([m["latency_ms"] for m in generated], 0.95)},
         "kv_reuse": {"median": statistics.median(reuse) if reuse else None, "p10": pct(reuse, 0.10), "n": len(reuse)},
         "prompt_tokens_median": statistics.median([m["prompt_tokens"] for m in generated]) if generated else None,
@@ -432,9 +448,11 @@ def fmt(value: Any, spec: str = ".0f") -> str:
 def print_table(summaries: dict[str, dict[str, Any]]) -> None:
     names = list(summaries)
     rows = [
+        ("engine start s", lambda s: fmt(s.get("load_s"), ".1f")),
         ("requests (along)", lambda s: f"{s['requests']} ({s['along']['requests']})"),
         ("latency_ms p50 / p95", lambda s: f"{fmt(s['latency_ms']['p50'], '.1f')} / {fmt(s['latency_ms']['p95'])}"),
         ("ttft_ms p50 / p95 (mean)", lambda s: f"{fmt(s['ttft_ms']['p50'])} / {fmt(s['ttft_ms']['p95'])} ({fmt(s['ttft_ms']['mean'])})"),
+        ("decode tok/s p50 (mean)", lambda s: f"{fmt(s['decode_tokens_per_s']['p50'], '.1f')} ({fmt(s['decode_tokens_per_s']['mean'], '.1f')})"),
         ("requests kv_reuse < 0.5", lambda s: str(s["low_reuse"])),
         ("generated: latency p50 / p95", lambda s: f"{fmt(s['generated_latency_ms']['p50'])} / {fmt(s['generated_latency_ms']['p95'])}"),
         ("kv_reuse median (p10)", lambda s: f"{fmt(s['kv_reuse']['median'], '.3f')} ({fmt(s['kv_reuse']['p10'], '.2f')})"),
@@ -520,7 +538,9 @@ async def main() -> int:
                         "sequential: one server after the other")
     parser.add_argument("--switch-s", type=float, default=1.5, help="pause when the replay switches servers")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--configs", default="ember,off", help="comma-separated: ember, off, cold")
+    parser.add_argument("--configs", default="ember,off", help="comma-separated: ember, off, cold, eager, compiled")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a vLLM engine argument for every server (repeatable), as ember --engine-arg")
     parser.add_argument("--model", default="bundled", help="passed to the server as --model (default: bundled, SmolLM2-135M)")
     parser.add_argument("--out", default=str(RESULTS / "replay.json"))
     args = parser.parse_args()
@@ -545,7 +565,7 @@ async def main() -> int:
         await replay(servers, files, args)
         for server in servers:
             records[server.name], runs[server.name] = server.records, await stop_server(server)
-    summaries = {name: summarize(recs) for name, recs in records.items()}
+    summaries = {name: {"load_s": runs[name]["load_s"], **summarize(recs)} for name, recs in records.items()}
     print_table(summaries)
     checks = targets(summaries)
     if checks:

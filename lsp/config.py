@@ -8,6 +8,7 @@ was expected, so the editor can show it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,20 @@ class ConfigError(ValueError):
     pass
 
 
+# The vLLM engine arguments worth knowing for completion; any field of vLLM's AsyncEngineArgs is
+# accepted (``--help`` and the README list these).
+USEFUL_ENGINE_ARGS: dict[str, str] = {
+    "max_model_len": "context length; prompt budgets follow it (ember: 2048 on CPU, up to 8192 on GPU)",
+    "gpu_memory_utilization": "share of GPU memory vLLM may take (ember: 0.5, room for other tools)",
+    "tensor_parallel_size": "split the model over N GPUs",
+    "kv_cache_dtype": 'e.g. "fp8": twice the KV cache in the same memory',
+    "enable_chunked_prefill": "interleave long prefills with decoding",
+    "speculative_config": 'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
+    "quantization": 'e.g. "fp8", "awq", "gptq" (the checkpoint decides what works)',
+    "enforce_eager": "true: no CUDA graphs / torch.compile (faster start, slower decode)",
+}
+
+
 @dataclass(frozen=True)
 class Settings:
     model: str | None = None
@@ -24,13 +39,18 @@ class Settings:
     max_tokens: int = 64
     temperature: float = 0.0
     debounce_ms: int = 0
-    context_tokens: int = 1024
-    suffix_tokens: int = 256
+    # Prompt budgets; None: a share of the engine's max_model_len (context.prompt.PromptBudget.for_model:
+    # 1024 and 256 at 2048 tokens). A crossFileTokens budget would sit beside them.
+    context_tokens: int | None = None
+    suffix_tokens: int | None = None
     timeout_ms: int = 15000
     # Multi-line completions: after this long, answer with the lines complete so far and let the
     # engine finish into the cache (accepting them then shows the rest at once). 0 = wait for all.
     early_answer_ms: int = 400
     fim_template: str | None = None
+    # vLLM engine arguments over ember's defaults (start-up only, embedded engine only), as
+    # (key, JSON text) pairs sorted by key so that Settings stays hashable: see engine_arg_dict().
+    engine_args: tuple[tuple[str, str], ...] = ()
     max_document_bytes: int = 10_000_000
     # Per connection; editors ask at most a few times a second, so this only stops a runaway client
     # from starving the other editors sharing the engine. 0 = no limit.
@@ -44,6 +64,10 @@ class Settings:
     # "syntax": block ends, indentation, brackets and repeats handled by the tree; "plain": the
     # model's text cut at line breaks only (the baseline that syntax_ok is measured against).
     postprocess: str = "syntax"
+
+    def engine_arg_dict(self) -> dict[str, Any]:
+        """The engine arguments as vLLM takes them."""
+        return {key: json.loads(text) for key, text in self.engine_args}
 
 
 # key -> (type, lower bound, upper bound)
@@ -85,8 +109,64 @@ def merge_settings(base: Settings, options: Any, *, source: str = "settings") ->
         if key not in _FIELDS:
             known = ", ".join(sorted(_camel(f) for f in _FIELDS))
             raise ConfigError(f"{source}: unknown setting {raw_key!r} (known: {known})")
+        if key == "engine_args":
+            # Key by key over the arguments already set (the command line's, then the editor's).
+            merged = dict(base.engine_args)
+            merged.update(_engine_args(value, f"{source}: {raw_key}"))
+            changes[key] = tuple(sorted(merged.items()))
+            continue
         changes[key] = _validate(key, value, source, raw_key)
     return dataclasses.replace(base, **changes)
+
+
+def parse_engine_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` from the command line: VALUE is JSON when it parses (numbers, true/false,
+    objects), else the string itself (``kv_cache_dtype=fp8``)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--engine-arg expects KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key.strip(), value
+
+
+def vllm_flags(engine_args: dict[str, Any]) -> str:
+    """The same arguments as ``vllm serve`` flags, for users of a remote server."""
+    flags = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, (dict, list)):
+            flags.append(f"{flag} '{json.dumps(value)}'")
+        else:
+            flags.append(f"{flag} {value}")
+    return " ".join(flags)
+
+
+def _engine_args(value: Any, where: str) -> dict[str, str]:
+    """An object of vLLM engine arguments (or (key, value) pairs) as key -> JSON text. Keys may be
+    spelled as vLLM's flags (``max-model-len``); whether vLLM knows them is checked when the engine
+    starts, where vLLM itself can say."""
+    if value is None:
+        return {}
+    pairs = value.items() if isinstance(value, dict) else value
+    if not isinstance(value, (dict, list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise ConfigError(f"{where} must be an object of vLLM engine arguments, e.g. {{\"max_model_len\": 4096}}")
+    found: dict[str, str] = {}
+    for raw_key, item in pairs:
+        key = str(raw_key).strip().lstrip("-").replace("-", "_")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ConfigError(f"{where}: {raw_key!r} is not a vLLM engine argument name")
+        if key in ("model", "served_model_name", "tokenizer"):
+            raise ConfigError(f"{where}: {key} is ember's to set (use the model setting or --model)")
+        try:
+            found[key] = json.dumps(item, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {raw_key} has a value that is not JSON ({exc})") from exc
+    return found
 
 
 def _camel(name: str) -> str:
@@ -106,6 +186,8 @@ def _validate(key: str, value: Any, source: str, raw_key: str) -> Any:
             if not re.match(r"^https?://[^\s/]+", url):
                 raise ConfigError(f"{where}: {url!r} is not an http(s) URL")
         return tuple(urls)
+    if key in ("context_tokens", "suffix_tokens") and value is None:
+        return None  # back to the share of the model's context
     if key in ("model", "fim_template"):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where} must be a string")

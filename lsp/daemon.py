@@ -91,9 +91,8 @@ def engine_options(settings: Settings) -> dict[str, Any]:
     options: dict[str, Any] = {"model": settings.model, "engineUrl": list(settings.engine_url), "prefixCache": settings.prefix_cache}
     if settings.engine_url:
         options["timeoutMs"] = settings.timeout_ms  # the remote client's fail-over timeouts derive from it
-    engine_args = getattr(settings, "engine_args", None)
-    if engine_args:
-        options["engineArgs"] = engine_args if isinstance(engine_args, dict) else dict(engine_args)
+    if settings.engine_args:
+        options["engineArgs"] = settings.engine_arg_dict()  # JSON values, as --engine-arg parsed them
     return options
 
 

@@ -8,6 +8,7 @@ batches their requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -33,13 +34,15 @@ from context.prompt import Snippet, select_snippets
 from engine.base import Engine
 from lsp import VERSION
 from engine.models import LoadProgress
-from lsp.completer import Completer
-from lsp.config import ConfigError, Settings, merge_settings
+from lsp.completer import Completer, prompt_budget
+from lsp.config import ConfigError, Settings, merge_settings, vllm_flags
 from lsp.metrics import Metrics, RequestMetrics
 
 log = logging.getLogger(__name__)
 
 STATS_METHOD = "ember/stats"
+# Settings that only take effect when the engine starts (setting name -> Settings field).
+STARTUP_SETTINGS = {"model": "model", "engineUrl": "engine_url", "engineArgs": "engine_args"}
 WARMUP_PAUSE_S = 0.4
 PROGRESS_REPORT_S = 0.25  # how often model download/loading progress is sent to the editor
 SNIPPET_CHARS = 880  # cross-file context: within the prompt builder's snippet budget (256 tokens)
@@ -79,15 +82,29 @@ class RateLimit:
 
 
 class EmberCore:
-    """Process-wide state: the engine, the completion caches and the metrics."""
+    """Process-wide state: the engine, the completion caches and the metrics.
 
-    def __init__(self, settings: Settings, engine_factory: Callable[[Settings, LoadProgress], Engine] | None = None) -> None:
+    ``long_lived``: this process serves editors for hours (TCP server, per-user daemon), so the
+    embedded engine may spend longer starting for faster decoding (compiled mode on the CPU);
+    over stdio, one editor waits for the start and eager mode stays."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine_factory: Callable[[Settings, LoadProgress], Engine] | None = None,
+        *,
+        long_lived: bool = False,
+    ) -> None:
         self.settings = settings
-        self._engine_factory = engine_factory or default_engine_factory
+        self.long_lived = long_lived
+        self._engine_factory = engine_factory or functools.partial(default_engine_factory, long_lived=long_lived)
         # Written by the worker thread that builds the engine, read by report_loading.
         self.load_progress = LoadProgress()
         self.engine: Engine | None = None
         self.engine_error: str | None = None
+        # The engine runs, but not as asked (engine arguments rejected or not applicable): shown
+        # to every editor once the engine is ready, and in ember/stats.
+        self.engine_warning: str | None = None
         self._start_task: asyncio.Task[None] | None = None
         self._restart_task: asyncio.Task[None] | None = None
         self._engine_settings = settings
@@ -106,6 +123,11 @@ class EmberCore:
             self.restart_engine()
             return False
         return self.engine is not None and self.engine.ready
+
+    @property
+    def engine_settings(self) -> Settings:
+        """The settings the engine was (or is being) started with."""
+        return self._engine_settings
 
     @property
     def restarting(self) -> bool:
@@ -146,6 +168,8 @@ class EmberCore:
             await engine.start()
             self.engine = engine
             self.engine_error = None
+            notes = (remote_engine_args_note(settings), getattr(engine, "warning", None))
+            self.engine_warning = "; ".join(note for note in notes if note) or None
         except Exception as exc:  # the reason reaches the editor through progress and messages
             self.engine_error = str(exc)
             log.error("engine failed to start: %s", exc)
@@ -172,7 +196,17 @@ def model_label(settings: Settings) -> str:
     return settings.model or "the default code model"
 
 
-def default_engine_factory(settings: Settings, progress: LoadProgress) -> Engine:
+def remote_engine_args_note(settings: Settings) -> str | None:
+    """Engine arguments are the embedded engine's: a remote server was started with its own."""
+    if not (settings.engine_url and settings.engine_args):
+        return None
+    return (
+        "engineArgs are ignored with engineUrl: the remote server has its own; start it with "
+        f"{vllm_flags(settings.engine_arg_dict())}"
+    )
+
+
+def default_engine_factory(settings: Settings, progress: LoadProgress, *, long_lived: bool = False) -> Engine:
     """Remote when an engine URL is configured, else embedded vLLM (resolving the model may
     download it or convert a GGUF file: this runs in a worker thread, telling ``progress``)."""
     if settings.engine_url:
@@ -195,7 +229,14 @@ def default_engine_factory(settings: Settings, progress: LoadProgress) -> Engine
     if model.fallback_reason:
         progress.set_fallback(model.fallback_reason)
     progress.set("loading", model.name)
-    return EmbeddedEngine(EmbeddedConfig(model_path=model.path, model_name=model.name, prefix_caching=settings.prefix_cache))
+    config = EmbeddedConfig(
+        model_path=model.path,
+        model_name=model.name,
+        prefix_caching=settings.prefix_cache,
+        long_lived=long_lived,
+        engine_args=settings.engine_arg_dict(),
+    )
+    return EmbeddedEngine(config)
 
 
 class EmberProtocol(LanguageServerProtocol):
@@ -552,6 +593,14 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
     async def initialized(ls: EmberServer, params: types.InitializedParams) -> None:
         """Starts loading the model and shows its progress."""
         core.start_engine(ls.settings)
+        ignored = [name for name, key in STARTUP_SETTINGS.items() if getattr(ls.settings, key) != getattr(core.engine_settings, key)]
+        if ignored:
+            # A shared engine (TCP server, daemon) was started before this editor connected.
+            ls.notify_user(
+                f"this ember's engine was already started with its own {', '.join(ignored)}; "
+                "the ones in your settings are not used (pass them where ember is started)",
+                types.MessageType.Warning,
+            )
         await report_loading(ls)
 
     @server.feature(types.SHUTDOWN)
@@ -605,8 +654,8 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         except ConfigError as exc:
             ls.notify_user(str(exc))
             return
-        if (new.model, new.engine_url) != (ls.settings.model, ls.settings.engine_url) and core.engine is not None:
-            ls.notify_user("changing model or engineUrl takes effect after restarting ember", types.MessageType.Warning)
+        if any(getattr(new, key) != getattr(ls.settings, key) for key in STARTUP_SETTINGS.values()) and core.engine is not None:
+            ls.notify_user("changing model, engineUrl or engineArgs takes effect after restarting ember", types.MessageType.Warning)
         ls.settings = new
 
     @server.feature(
@@ -647,22 +696,42 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
         if isinstance(uri, str):
             found = core.metrics.last_for(uri)
             summary["last_for_uri"] = found.as_dict() if found else None
-        summary["engine"] = {
+        engine = core.engine if core.ready else None
+        state: dict[str, Any] = {
             "ready": core.ready,
             "error": core.engine_error,
-            "model": core.engine.model.name if core.ready and core.engine else None,
+            "warning": core.engine_warning,
+            "model": engine.model.name if engine is not None else None,
             "restarts": core.restarts,
             "restarting": core.restarting,
             "starts": core.engine_starts,
+            # What the prompt budgets of this editor's requests are shares of.
+            "max_model_len": engine.model.max_model_len if engine is not None else None,
+            "budget": budget_stats(ls.settings, engine.model.max_model_len) if engine is not None else None,
+            "long_lived": core.long_lived,
         }
+        engine_args = getattr(engine, "engine_args", None)
+        if isinstance(engine_args, dict):
+            state["engine_args"] = engine_args
         engine_stats = getattr(core.engine, "engine_stats", None)
         if callable(engine_stats):
-            summary["engine"]["stats"] = engine_stats()
+            state["stats"] = engine_stats()
+        summary["engine"] = state
         summary["process"] = {"pid": os.getpid(), **process_memory(core)}
         summary["daemon"] = core.host_info() if core.host_info is not None else None
         return summary
 
     return server
+
+
+def budget_stats(settings: Settings, max_model_len: int) -> dict[str, int]:
+    budget = prompt_budget(settings, max_model_len)
+    return {
+        "context_tokens": budget.prefix_tokens,
+        "suffix_tokens": budget.suffix_tokens,
+        "header_tokens": budget.header_tokens,
+        "cross_file_tokens": budget.snippet_tokens,
+    }
 
 
 def process_memory(core: EmberCore) -> dict[str, Any]:
@@ -680,19 +749,27 @@ def process_memory(core: EmberCore) -> dict[str, Any]:
 
 async def report_loading(ls: EmberServer) -> None:
     """Work-done progress while the model downloads and loads (when the client supports it); then,
-    once per editor, the warning that a fallback model stands in for the code model."""
+    once per editor, why the engine is not available, or what did not go as asked: a fallback
+    model stands in for the code model, engine arguments that vLLM refused."""
     core = ls.core
     if not core.ready:
         await show_loading_progress(ls)
+    if not core.ready:
+        if core.engine_error:
+            ls.notify_user(f"the engine is not available: {core.engine_error}")
+        return
     reason = core.load_progress.current().fallback_reason
-    if core.ready and reason:
+    if reason:
         ls.notify_user(reason, types.MessageType.Warning)
+    if core.engine_warning:
+        ls.notify_user(core.engine_warning, types.MessageType.Warning)
 
 
 async def show_loading_progress(ls: EmberServer) -> None:
     """One indeterminate progress for getting the model ready (its message names the stage), and
     while the model downloads a second one with bytes and a percentage: LSP lets a client ignore
-    percentages in reports unless the begin had one, and the load as a whole has none to give."""
+    percentages in reports unless the begin had one, and the load as a whole has none to give.
+    Returns when the engine is loaded or failed to load."""
     core = ls.core
     window = ls.client_capabilities.window if ls.client_capabilities else None
     if not (window and window.work_done_progress):
@@ -730,8 +807,6 @@ async def show_loading_progress(ls: EmberServer) -> None:
         ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message="download stopped"))
     message = "model ready" if ready else f"engine failed: {core.engine_error}"
     ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
-    if not ready:
-        ls.notify_user(f"the engine is not available: {core.engine_error}")
 
 
 async def new_progress_token(ls: EmberServer, prefix: str) -> str | None:

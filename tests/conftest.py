@@ -30,6 +30,9 @@ RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="ember-tests-"))
 os.environ["XDG_RUNTIME_DIR"] = str(RUNTIME_DIR)
 os.environ.setdefault("EMBER_DAEMON_IDLE_S", "20")
 SERVER_ARGS = ["--daemon", "off", "--max-tokens", "24", "--log-level", "INFO"]
+# TCP servers and daemons default to vLLM's compiled mode on the CPU (faster decoding for 40-120 s
+# more start-up); tests that do not test that default start eager, to keep CI's 2 cores in time.
+EAGER = ("--engine-arg", "enforce_eager=true")
 READY_TIMEOUT_S = 600  # generous: CI has 2 cores and several engines start at once
 
 

@@ -31,7 +31,14 @@ from lsp import VERSION
 from lsp.config import Settings, merge_settings
 from lsp.daemon import PROTOCOL, DaemonAddress, admits, daemon_key, peer_uid
 from lsp.forwarder import SessionState
-from tests.conftest import DATA, client_capabilities, plain, stop_daemons, wait_ready
+from tests.conftest import (
+    DATA,
+    EAGER,
+    client_capabilities,
+    plain,
+    stop_daemons,
+    wait_ready,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_ENGINE = ["--engine-url", "http://127.0.0.1:9/v1"]  # loopback port 9 (discard): nothing answers
@@ -297,7 +304,7 @@ async def test_windows_share_one_engine_and_survive_a_killed_daemon(runtime: Pat
     told, a new daemon starts, the documents (with the edits made before) are reopened in it, and
     the next request is answered."""
     text = (DATA / "inventory.py").read_text() + "\n\ndef total_weight(items):\n    return "
-    first, second = Window(runtime, "--max-tokens", "12"), Window(runtime, "--max-tokens", "12")
+    first, second = Window(runtime, "--max-tokens", "12", *EAGER), Window(runtime, "--max-tokens", "12", *EAGER)
     try:
         await first.open()
         ready = await wait_ready(first.client)
@@ -333,6 +340,17 @@ async def test_windows_share_one_engine_and_survive_a_killed_daemon(runtime: Pat
         await first.close()
         await second.close()
     assert len(daemon_processes(runtime)) <= 1
+
+
+async def test_the_daemon_is_long_lived(runtime: Path) -> None:
+    """A daemon serves every window of its user for hours, so its embedded engine starts in the
+    long-lived mode (compiled on a CPU); `--stdio --daemon off` stays eager (tests/test_engine_args.py)."""
+    window = Window(runtime, *NO_ENGINE)
+    try:
+        stats = await window.open()
+        assert stats["engine"]["long_lived"] is True
+    finally:
+        await window.close()
 
 
 # ------------------------------------------------------------------------------ forwarder edges, scripted daemon

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import EAGER
+
 REPO = Path(__file__).resolve().parents[1]
 VSCODE = REPO / "editors" / "vscode"
 HELIX = REPO / "editors" / "helix" / "languages.toml"
@@ -191,7 +193,7 @@ def test_vscode_tcp_connection_with_token(tmp_path: Path) -> None:
     compile_extension()
     node = shutil.which("node")
     assert node
-    server, port = _start_tcp_server(tmp_path, "--token", "s3cret")
+    server, port = _start_tcp_server(tmp_path, "--token", "s3cret", *EAGER)
     try:
         results = {}
         for token in ("s3cret", "wrong"):

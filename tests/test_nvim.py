@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import EAGER
+
 REPO = Path(__file__).resolve().parents[1]
 NVIM_DIR = REPO / "editors" / "nvim"
 E2E_LUA = NVIM_DIR / "test" / "e2e.lua"
@@ -47,12 +49,13 @@ TYPED = "    return n * "
 
 
 def ember_command() -> list[str]:
+    """``ember --stdio`` (its daemon's engine would start in compiled mode: eager keeps CI in time)."""
     exe = Path(sys.executable).parent / "ember"
     if exe.exists():
-        return [str(exe), "--stdio"]
+        return [str(exe), "--stdio", *EAGER]
     found = shutil.which("ember")
     assert found, f"ember console script not found beside {sys.executable} nor on PATH"
-    return [found, "--stdio"]
+    return [found, "--stdio", *EAGER]
 
 
 def nvim_version(binary: str) -> tuple[int, int, int]:
@@ -238,7 +241,7 @@ def test_nvim_tcp_connect(tmp_path: Path) -> None:
     port = free_port()
     ember = ember_command()[0]
     server = subprocess.Popen(
-        [ember, "--tcp", f"127.0.0.1:{port}", "--token", "s3cret"],
+        [ember, "--tcp", f"127.0.0.1:{port}", "--token", "s3cret", *EAGER],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "server.log", "wb"),

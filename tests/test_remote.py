@@ -486,6 +486,33 @@ def test_parse_prometheus_text() -> None:
 # -- protocol edge cases with fault servers ----------------------------------------------------------
 
 
+async def test_prompt_budget_follows_the_max_model_len_the_server_reports() -> None:
+    """The fake server lists its model with max_model_len 1024: the prompt for a long document is
+    cut to half of that (not to ember's 1024 tokens for a 2048-token model); an explicit
+    contextTokens still wins."""
+    from context.document import Document
+    from context.prompt import PromptBudget
+    from lsp.completer import Completer, prompt_budget
+    from lsp.config import Settings
+    from lsp.metrics import Metrics
+
+    text = "import math\n\n\n" + "".join(
+        f"def helper_{i}(values, scale):\n    total = sum(v * scale for v in values if v > {i})\n    return total - {i}\n\n\n"
+        for i in range(200)
+    ) + "def main():\n    "
+    doc = Document("file:///work/long.py", "python", text, 1)
+    async with fakes("good") as (good,), remote([good.url + "/v1"]) as engine:
+        assert engine.model.max_model_len == 1024
+        completer = Completer(lambda: engine, Metrics())
+        assert prompt_budget(Settings(), engine.model.max_model_len) == PromptBudget(512, 128, 64, 128)
+        short = completer.prompt_for(engine, doc, len(text), Settings())
+        chosen = completer.prompt_for(engine, doc, len(text), Settings(context_tokens=900))
+    assert engine.tokenizer.count(short.text) <= 512 + 64 + 16
+    assert engine.tokenizer.count(chosen.text) > 512 + 64 + 16
+
+
+
+
 async def test_tolerant_stream_from_a_minimal_server() -> None:
     async with fakes("good") as (good,), remote([good.url + "/v1/"]) as engine:
         assert isinstance(engine, Engine)
@@ -719,6 +746,32 @@ async def test_lsp_through_engine_url_matches_the_embedded_server(vllm_pair: Pai
         remote_client.exit(None)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(remote_client.stop(), 15)
+
+
+@pytest.mark.slow
+async def test_budgets_follow_the_vllm_servers_max_model_len(vllm_pair: Pair) -> None:
+    """ember --engine-url reads max_model_len from vLLM's /v1/models (the server runs with
+    --max-model-len 2048) and sizes its prompt budgets from it, as ember/stats shows."""
+    from lsprotocol import types
+    from pygls.lsp.client import LanguageClient
+
+    from tests.conftest import wait_ready
+
+    await vllm_pair.a.wait_ready()
+    client = LanguageClient("remote-budget", "1")
+    await client.start_io(sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--engine-url", f"{vllm_pair.a.url}/v1")
+    try:
+        await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities()))
+        client.initialized(types.InitializedParams())
+        engine = (await wait_ready(client, timeout=60))["engine"]
+        assert engine["model"] == SERVED_NAME and engine["max_model_len"] == 2048
+        assert engine["budget"] == {"context_tokens": 1024, "suffix_tokens": 256, "header_tokens": 128, "cross_file_tokens": 256}
+        assert "engine_args" not in engine and engine["warning"] is None
+    finally:
+        await client.shutdown_async(None)
+        client.exit(None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.stop(), 15)
 
 
 def long_prefix() -> str:

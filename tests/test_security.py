@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.conftest import EAGER
 from tests.test_reliability import ROOT, SLOW_S, JsonRpcClient, RawLsp, ServerProcess, assert_error, items, wait_gone
 
 TOKEN = "ember-test-token-" + secrets.token_hex(12)
@@ -92,7 +93,7 @@ def is_loopback(ip: str) -> bool:
 def tcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TcpServer]:
     server = TcpServer(
         tmp_path_factory.mktemp("security"),
-        "--tcp", "0", "--token", TOKEN, "--log-level", "DEBUG", "--max-tokens", "8",
+        "--tcp", "0", "--token", TOKEN, "--log-level", "DEBUG", "--max-tokens", "8", *EAGER,
     )
     try:
         yield server

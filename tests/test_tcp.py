@@ -14,7 +14,7 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pygls.lsp.client import LanguageClient
 
-from tests.conftest import client_capabilities, stats, wait_ready
+from tests.conftest import EAGER, client_capabilities, stats, wait_ready
 
 SAME_URI = "file:///work/shared_name.py"
 
@@ -25,7 +25,7 @@ def tcp_server(tmp_path_factory):
     # stderr goes to a file: vLLM logs a lot, and an unread pipe would block the server.
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "lsp", "--tcp", "0", "--max-tokens", "16"], stderr=log, stdout=subprocess.DEVNULL
+            [sys.executable, "-m", "lsp", "--tcp", "0", "--max-tokens", "16", *EAGER], stderr=log, stdout=subprocess.DEVNULL
         )
     deadline = time.monotonic() + 120
     address = None
@@ -116,3 +116,39 @@ async def test_one_session_ending_leaves_the_server_serving(tcp_server):
         assert (await stats(again))["engine"]["ready"]
     finally:
         await disconnect(again)
+
+
+async def test_tcp_server_is_long_lived_and_an_explicit_engine_arg_wins(tcp_server):
+    """``--tcp`` picks compiled mode on the CPU (long-lived process); this server was started with
+    ``--engine-arg enforce_eager=true``, which overrides it."""
+    client = await connect(tcp_server)
+    try:
+        engine = (await wait_ready(client))["engine"]
+        assert engine["long_lived"] is True
+        assert engine["engine_args"]["enforce_eager"] is True
+        assert engine["max_model_len"] == 2048 and engine["budget"]["context_tokens"] == 1024
+    finally:
+        await disconnect(client)
+
+
+async def test_engine_settings_of_a_later_editor_are_reported_as_not_used(tcp_server):
+    """The shared engine started with the server's command line; an editor's engineArgs cannot
+    change it, and the editor is told so instead of silently getting another context length."""
+    client = LanguageClient("tcp-test", "1")
+    messages: list[str] = []
+    client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: messages.append(params.message))
+    await client.start_tcp(*tcp_server)
+    await client.initialize_async(
+        types.InitializeParams(capabilities=client_capabilities(), initialization_options={"engineArgs": {"max_model_len": 4096}})
+    )
+    client.initialized(types.InitializedParams())
+    try:
+        engine = (await wait_ready(client))["engine"]
+        for _ in range(50):
+            if messages:
+                break
+            await asyncio.sleep(0.1)
+        assert any("already started with its own engineArgs" in m for m in messages), messages
+        assert engine["max_model_len"] == 2048
+    finally:
+        await disconnect(client)

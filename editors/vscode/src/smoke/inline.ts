@@ -34,7 +34,14 @@ async function main(): Promise<void> {
   const [emberPath, file, outPath, timeoutArg] = process.argv.slice(2);
   const timeoutS = Number(timeoutArg ?? '240');
   const out: Record<string, unknown> = { progress: [] as unknown[] };
-  const values: Record<string, unknown> = { serverPath: emberPath, maxTokens: 24, debounceMs: 0, temperature: 0 };
+  // A short run: the daemon's engine starts eager (its compiled default would add minutes here).
+  const values: Record<string, unknown> = {
+    serverPath: emberPath,
+    serverArgs: ['--engine-arg', 'enforce_eager=true'],
+    maxTokens: 24,
+    debounceMs: 0,
+    temperature: 0,
+  };
   const settings = readSettings((k) => values[k]);
   const conn = connection(settings);
   if (conn.kind !== 'stdio') throw new Error('expected a stdio connection');
