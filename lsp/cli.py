@@ -344,8 +344,10 @@ def daemon_main(argv: list[str]) -> int:
         return 2
     from lsp.server import EmberCore
 
-    # The daemon serves every editor window of its user for as long as they work: long-lived.
-    core = EmberCore(settings, long_lived=True)
+    # Eager on a CPU, though the daemon lives long: the window that starts it waits for the engine
+    # (compiled mode: 159 vs 36 s here), and the decode gain did not show in this machine's runs
+    # (bench/results/replay-modes-*.json). `--engine-arg enforce_eager=false` opts in.
+    core = EmberCore(settings, long_lived=False)
 
     async def run() -> None:
         stop_on_sigterm(core)

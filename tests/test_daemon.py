@@ -342,13 +342,13 @@ async def test_windows_share_one_engine_and_survive_a_killed_daemon(runtime: Pat
     assert len(daemon_processes(runtime)) <= 1
 
 
-async def test_the_daemon_is_long_lived(runtime: Path) -> None:
-    """A daemon serves every window of its user for hours, so its embedded engine starts in the
-    long-lived mode (compiled on a CPU); `--stdio --daemon off` stays eager (tests/test_engine_args.py)."""
+async def test_the_daemon_starts_its_engine_for_a_fast_first_window(runtime: Path) -> None:
+    """The window that starts a daemon waits for its engine: the daemon is not in the long-lived
+    (compiled on a CPU) mode that `--tcp` uses; `--engine-arg enforce_eager=false` opts in."""
     window = Window(runtime, *NO_ENGINE)
     try:
         stats = await window.open()
-        assert stats["engine"]["long_lived"] is True
+        assert stats["engine"]["long_lived"] is False
     finally:
         await window.close()
 
