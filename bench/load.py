@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import platform
-import random
 import re
 import statistics
 import subprocess

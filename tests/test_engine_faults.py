@@ -13,7 +13,7 @@ import psutil
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from tests.conftest import client_capabilities, stats, wait_ready
+from tests.conftest import client_capabilities, wait_ready
 from tests.test_server import inline, open_doc
 
 
