@@ -243,6 +243,7 @@ async def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "daemon.json")
     args = parser.parse_args()
     configs = ["daemon"] if args.no_baseline else ["daemon", "off"]
+    load_before = list(os.getloadavg())
     results = []
     for config in configs:
         print(f"measuring {config} ...", flush=True)
@@ -266,7 +267,14 @@ async def main() -> int:
                 "benchmark": "daemon",
                 "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "commit": commit(),
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
+                "machine": {
+                    "cpu": platform.processor() or platform.machine(),
+                    "cores": os.cpu_count(),
+                    "memory_gib": round(psutil.virtual_memory().total / 2**30),
+                    "loadavg_before": load_before,
+                    "loadavg_after": list(os.getloadavg()),
+                    "platform": platform.platform(),
+                },
                 "model": args.model,
                 "max_tokens": args.max_tokens,
                 "results": results,

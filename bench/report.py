@@ -8,7 +8,7 @@ not print". Numbers copied by hand drift from the files they came from, lose the
 and the commit they were measured on, and get rounded differently from one edit to the next. So the
 README's results are this script's output, regenerated after every benchmark run.
 
-It reads bench/results/{prompt_stability,replay,load,peer}.json, quality-*.json and *-gpu.json.
+It reads bench/results/{prompt_stability,replay,load,daemon,peer}.json, quality-*.json and *-gpu.json.
 Each section says when, where (CPU model, cores, load average: whatever the file recorded) and at
 which commit the run was made, and the exact command or arguments it recorded; what a file did not
 record is printed as "not recorded", never filled in from the machine this script runs on. Numbers
@@ -362,6 +362,40 @@ def load(path: Path) -> list[str]:
     return lines + [""]
 
 
+def daemon(path: Path) -> list[str]:
+    """Editor windows sharing the per-user daemon vs each its own engine (--daemon off)."""
+    data, problem = read_json(path)
+    lines = heading("Editor windows: the shared daemon (bench/daemon.py)", path)
+    if data is None:
+        return lines + [problem, ""]
+    lines += [
+        date_line(path, data.get("date")),
+        machine_line(get(data, "machine")),
+        commit_line(data.get("commit")),
+        f"- model: {data.get('model')}, max_tokens {data.get('max_tokens')}; seconds from launching `ember --stdio` "
+        "to the first non-empty completion (in brackets: less the engine's time generating it)",
+        "",
+    ]
+
+    def seconds(case: Any) -> str:
+        return f"{num(get(case, 'first_completion_s'), '.2f')} ({num(get(case, 'without_generation_s'), '.2f')})"
+
+    rows = [
+        [
+            get(r, "config"), seconds(get(r, "cold")), seconds(get(r, "second")), seconds(get(r, "restart")),
+            num(get(r, "pss_1_window_mib")), num(get(r, "pss_3_windows_mib")), num(get(r, "pss_ratio_3_to_1"), ".2f"),
+            f"{get(r, 'after_restart', 'cached_tokens')}/{get(r, 'after_restart', 'prompt_tokens')}",
+        ]
+        for r in seq(get(data, "results"))
+    ]
+    header = ["config", "(a) cold s", "(b) second window s", "(c) restart s", "PSS 1 window MiB", "PSS 3 windows MiB", "3/1", "cached after (c)"]
+    lines += table(header, rows)
+    targets = obj(get(data, "targets"))
+    if targets:
+        lines += ["", "targets: " + ", ".join(f"{k} {'ok' if v else 'MISS'}" for k, v in targets.items())]
+    return lines + [""]
+
+
 QUALITY_COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("EM line%", "exact_line", percent),
     ("EM%", "exact", percent),
@@ -534,6 +568,7 @@ def report(results: Path = RESULTS) -> str:
     lines += prompt_stability(results / "prompt_stability.json")
     lines += replay(results / "replay.json")
     lines += load(results / "load.json")
+    lines += daemon(results / "daemon.json")
     for name in (*QUALITY_FILES, *extra_quality):
         lines += quality(results / name)
     lines += peer(results / "peer.json")
