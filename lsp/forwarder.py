@@ -39,7 +39,7 @@ MAX_BACKOFF_S = 30.0
 @dataclass
 class OpenDocument:
     language_id: str  # as the editor sent it (the daemon normalises it itself)
-    text: Document
+    document: Document
 
 
 @dataclass
@@ -81,7 +81,7 @@ class SessionState:
         elif method == "textDocument/didClose":
             self.documents.pop(uri, None)
         elif method == "textDocument/didChange" and uri in self.documents:
-            doc = self.documents[uri].text
+            doc = self.documents[uri].document
             try:
                 for change in params.get("contentChanges") or ():
                     doc.apply_change(change["text"], self._range(doc, change.get("range")), item.get("version"))
@@ -105,7 +105,7 @@ class SessionState:
         if self.configuration is not None:
             messages.append(self.configuration)
         for uri, open_doc in self.documents.items():
-            item = {"uri": uri, "languageId": open_doc.language_id, "version": open_doc.text.version, "text": open_doc.text.text}
+            item = {"uri": uri, "languageId": open_doc.language_id, "version": open_doc.document.version, "text": open_doc.document.text}
             messages.append({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": item}})
         return messages
 
@@ -140,7 +140,6 @@ class Forwarder:
         self.writer: asyncio.StreamWriter | None = None
         self.connected = asyncio.Event()
         self.held: list[bytes] = []  # editor requests that arrived while no daemon was connected
-        self.daemon_info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ editor -> daemon
 
@@ -212,7 +211,8 @@ class Forwarder:
         return {**message, "params": params}
 
     async def _exit(self) -> int:
-        """Forwards exit, lets the daemon close the connection, and ends like a server would."""
+        """After exit went to the daemon: closes the connection and ends with the code a server
+        would (0 after shutdown, else 1)."""
         if self.writer is not None and self.connected.is_set():
             self.writer.close()
         return 0 if self.state.shutdown else 1
@@ -252,7 +252,7 @@ class Forwarder:
     async def _connect(self) -> None:
         reader, writer, info = await self._open_link()
         log.info("forwarding to the ember daemon (pid %s) at %s", info.get("pid"), info.get("socket"))
-        self.writer, self.daemon_info = writer, info
+        self.writer = writer
         self.connected.set()
         asyncio.ensure_future(self._from_daemon(ResyncReader(reader)))
 
@@ -335,7 +335,7 @@ class Forwarder:
             if request is not None and request.get("method") is not None and request.get("id") is not None:
                 self.pending[request["id"]] = request["method"]
             writer.write(frame(body))
-        self.writer, self.daemon_info = writer, info
+        self.writer = writer
         self.connected.set()
         log.info("reconnected to the ember daemon (pid %s); replayed %d documents", info.get("pid"), len(self.state.documents))
         asyncio.ensure_future(self._from_daemon(stream))

@@ -32,8 +32,8 @@ from pygls.protocol.language_server import lsp_method
 from context.document import Document, PositionError, utf16_position
 from context.prompt import Snippet, select_snippets
 from engine.base import Engine
-from lsp import VERSION
 from engine.models import LoadProgress
+from lsp import VERSION
 from lsp.completer import Completer, prompt_budget
 from lsp.config import ConfigError, Settings, merge_settings, vllm_flags
 from lsp.metrics import Metrics, RequestMetrics
