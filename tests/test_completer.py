@@ -1,0 +1,409 @@
+"""The completer's concurrency with a scripted engine: fast, no model, no server.
+
+Covers what happens between requests for the same document while a generation runs: a request
+at another cursor supersedes it (the engine-side stream is cancelled), one that typed what is being
+generated attaches to it, ``$/cancelRequest`` stops the generation unless someone attached, the
+early answer in multi-line mode (and the generation finishing into the cache behind it),
+typed-through reuse, engine trouble ("loading", "error"), and two documents generating at once.
+
+The :class:`ScriptedEngine` below yields only the chunks a test sends, when it sends them, so
+each test decides the interleaving. The same behaviour against the real engine is checked in
+test_server.py and test_latency.py (minutes each); these run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from context.document import Document
+from context.prompt import ApproxCounter
+from engine.base import Chunk, Engine, EngineError, GenerationParams, ModelInfo
+from lsp.completer import Completer, Completion
+from lsp.config import Settings
+from lsp.metrics import Metrics
+
+WAIT_S = 2.0  # a wait that takes longer is a bug (the test fails instead of hanging)
+SESSION = "editor-1"
+# Qwen2.5-Coder's FIM tokens: choose_template picks a real FIM template for the scripted model.
+FIM_TOKENS = frozenset({"<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>"})
+SETTINGS = Settings(debounce_ms=0, early_answer_ms=0)
+
+# Cursor at the end of ``return width``: text before it on its line, so single-line mode.
+AREA = "def area(width, height):\n    return width\n"
+AREA_CURSOR = AREA.index("width\n") + len("width")
+# Two functions, a single-line cursor at the end of each body.
+SHAPES = AREA + "\n\ndef perimeter(width, height):\n    return width\n"
+PERIMETER_CURSOR = SHAPES.rindex("width\n") + len("width")
+# Cursor on the indented empty line of a function body: multi-line mode.
+TOTAL = "def total(items):\n    \n"
+TOTAL_CURSOR = TOTAL.index("    \n") + 4
+
+
+@dataclass
+class StreamCall:
+    """One ``Engine.stream`` call: what was asked, and how the consumer left the stream."""
+
+    prompt: str
+    params: GenerationParams
+    request_id: str
+    closed: bool = False  # the consumer closed it before its end (aclose: GeneratorExit)
+    cancelled: bool = False  # the consuming task was cancelled while it waited for a chunk
+    finished: bool = False  # the generator is done, however it ended
+    asks: int = 0  # how often the consumer asked for the next chunk
+    sent: int = 0
+    _queue: asyncio.Queue[Chunk | EngineError | None] = field(default_factory=asyncio.Queue)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def aborted(self) -> bool:
+        return self.closed or self.cancelled
+
+    async def send(self, text: str) -> None:
+        """Hands the consumer one chunk and returns once it has dealt with it (it asked for the
+        next one, or it closed the stream)."""
+        self.sent += 1
+        self._queue.put_nowait(Chunk(text, token_count=1))
+        await self._wait_for(lambda: self.asks > self.sent or self.finished)
+
+    async def fail(self, error: EngineError) -> None:
+        """The engine fails mid-stream."""
+        self._queue.put_nowait(error)
+        await self._wait_for(lambda: self.finished)
+
+    async def end(self) -> None:
+        """The model stops (end of text)."""
+        self._queue.put_nowait(None)
+        await self._wait_for(lambda: self.finished)
+
+    async def wait_finished(self) -> None:
+        await self._wait_for(lambda: self.finished)
+
+    async def _wait_for(self, condition: Callable[[], bool]) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while not condition():
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        try:
+            while True:
+                self.asks += 1
+                self._changed.set()
+                item = await self._queue.get()
+                if item is None:
+                    return
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
+        except GeneratorExit:
+            self.closed = True
+            raise
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        finally:
+            self.finished = True
+            self._changed.set()
+
+
+class ScriptedEngine:
+    """An :class:`engine.base.Engine` whose streams yield what the test sends them."""
+
+    def __init__(self) -> None:
+        self.calls: list[StreamCall] = []
+        self.is_ready = True
+        self._handed = 0  # calls already returned by next_call
+        self._called = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self.is_ready
+
+    @property
+    def model(self) -> ModelInfo:
+        return ModelInfo("scripted-coder", max_model_len=2048, special_tokens=FIM_TOKENS)
+
+    @property
+    def tokenizer(self) -> ApproxCounter:
+        return ApproxCounter()
+
+    async def start(self) -> None:
+        self.is_ready = True
+
+    def stream(
+        self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
+    ) -> AsyncIterator[Chunk]:
+        call = StreamCall(prompt, params, request_id)
+        self.calls.append(call)
+        self._called.set()
+        return call.chunks()
+
+    async def abort(self, request_id: str) -> None:
+        """Unused: the completer aborts a request by closing or cancelling its stream."""
+
+    async def close(self) -> None:
+        pass
+
+    async def next_call(self) -> StreamCall:
+        """The next stream call not handed out yet, once the completer has made it."""
+        async with asyncio.timeout(WAIT_S):
+            while len(self.calls) <= self._handed:
+                self._called.clear()
+                await self._called.wait()
+        self._handed += 1
+        return self.calls[self._handed - 1]
+
+
+async def settle(rounds: int = 10) -> None:
+    """Lets the tasks that can run go to their next wait (no time passes)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def engine() -> ScriptedEngine:
+    return ScriptedEngine()
+
+
+@pytest.fixture
+def completer(engine: ScriptedEngine) -> Completer:
+    return Completer(lambda: engine, Metrics())
+
+
+def start(
+    completer: Completer, text: str, offset: int, settings: Settings = SETTINGS, uri: str = "file:///shapes.py"
+) -> asyncio.Task[Completion]:
+    doc = Document(uri, "python", text)
+    return asyncio.create_task(completer.complete((SESSION, uri), doc, offset, settings))
+
+
+def typed(text: str, offset: int, typing: str) -> tuple[str, int]:
+    """The document after the user typed ``typing`` at ``offset``, and the cursor after it."""
+    return text[:offset] + typing + text[offset:], offset + len(typing)
+
+
+async def result(task: asyncio.Task[Completion]) -> Completion:
+    async with asyncio.timeout(WAIT_S):
+        return await task
+
+
+def test_scripted_engine_is_an_engine(engine: ScriptedEngine) -> None:
+    assert isinstance(engine, Engine)
+
+
+async def test_completion_streams_from_a_fim_prompt(completer: Completer, engine: ScriptedEngine) -> None:
+    task = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    assert call.prompt.startswith("<|fim_prefix|>") and call.prompt.endswith("<|fim_middle|>")
+    assert "return width" in call.prompt
+    await call.send(" *")
+    await call.send(" height")
+    await call.send("\nprint(area(2, 3))\n")  # the line ends: the completer stops reading
+    done = await result(task)
+    assert done.text == " * height"
+    assert done.metrics.mode == "single" and done.metrics.outcome == "ok"
+    assert call.closed and not call.cancelled  # closed early, which aborts the engine-side request
+
+
+async def test_request_at_another_cursor_supersedes(completer: Completer, engine: ScriptedEngine) -> None:
+    first = start(completer, SHAPES, AREA_CURSOR)
+    first_call = await engine.next_call()
+    await first_call.send(" *")
+
+    second = start(completer, SHAPES, PERIMETER_CURSOR)
+    second_call = await engine.next_call()
+    await first_call.wait_finished()
+    assert first_call.cancelled
+    superseded = await result(first)
+    assert superseded.text == "" and superseded.metrics.outcome == "superseded"
+
+    await second_call.send(" * 2 + height * 2")
+    await second_call.end()
+    answered = await result(second)
+    assert answered.text == " * 2 + height * 2"
+    assert answered.metrics.mode == "single" and answered.metrics.outcome == "ok"
+    assert not second_call.aborted
+
+
+async def test_typing_what_is_generated_attaches(completer: Completer, engine: ScriptedEngine) -> None:
+    first = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    await call.send(" *")
+    await call.send(" hei")
+
+    text, offset = typed(AREA, AREA_CURSOR, " * h")
+    second = start(completer, text, offset)
+    await settle()
+    assert not second.done()  # waits for the generation in flight
+    await call.send("ght")
+    await call.end()
+
+    assert (await result(first)).text == " * height"
+    attached = await result(second)
+    assert attached.text == "eight"
+    assert attached.metrics.outcome == "attached" and attached.metrics.cache_hit
+    assert len(engine.calls) == 1
+
+
+async def test_typing_something_else_does_not_attach(completer: Completer, engine: ScriptedEngine) -> None:
+    first = start(completer, AREA, AREA_CURSOR)
+    first_call = await engine.next_call()
+    await first_call.send(" *")
+
+    text, offset = typed(AREA, AREA_CURSOR, " +")
+    second = start(completer, text, offset)
+    second_call = await engine.next_call()
+    await first_call.wait_finished()
+    assert first_call.cancelled
+    assert (await result(first)).metrics.outcome == "superseded"
+    await second_call.send(" height")
+    await second_call.end()
+    assert (await result(second)).text == " height"
+
+
+async def test_cancel_request_stops_the_generation(completer: Completer, engine: ScriptedEngine) -> None:
+    task = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    await call.send(" *")
+
+    task.cancel()  # what pygls does on $/cancelRequest
+    with pytest.raises(asyncio.CancelledError):
+        await result(task)
+    await call.wait_finished()
+    assert call.cancelled
+    assert not completer.busy
+
+
+async def test_cancel_request_spares_a_generation_someone_attached_to(
+    completer: Completer, engine: ScriptedEngine
+) -> None:
+    first = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    await call.send(" * h")
+    text, offset = typed(AREA, AREA_CURSOR, " * h")
+    second = start(completer, text, offset)
+    await settle()
+
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await result(first)
+    await settle()
+    assert not call.finished  # still generating for the request that attached
+    await call.send("eight")
+    await call.end()
+
+    attached = await result(second)
+    assert attached.text == "eight" and attached.metrics.outcome == "attached"
+    assert not call.aborted
+    assert len(engine.calls) == 1
+
+
+async def test_early_answer_waits_for_its_time(completer: Completer, engine: ScriptedEngine) -> None:
+    early_ms = 150
+    settings = dataclasses.replace(SETTINGS, early_answer_ms=early_ms)
+    task = start(completer, TOTAL, TOTAL_CURSOR, settings)
+    call = await engine.next_call()
+    await call.send("total = 0\n    for item in items:")  # a complete line at once
+    await settle()
+    assert not task.done()  # a few milliseconds in: too early to answer
+
+    shown = await result(task)
+    assert shown.text == "total = 0" and shown.metrics.mode == "multi"
+    assert shown.metrics.latency_ms >= early_ms - 1
+    await call.end()
+
+
+async def test_early_answer_shows_complete_lines_and_the_rest_follows(
+    completer: Completer, engine: ScriptedEngine
+) -> None:
+    early_ms = 50
+    settings = dataclasses.replace(SETTINGS, early_answer_ms=early_ms)
+    task = start(completer, TOTAL, TOTAL_CURSOR, settings)
+    call = await engine.next_call()
+    await call.send("total = 0")
+    await asyncio.sleep(2 * early_ms / 1000)  # the early-answer time passes (a timer: no event to wait on)
+    assert not task.done()  # no complete line yet
+
+    await call.send("\n    for item in items:")
+    shown = await result(task)
+    assert shown.text == "total = 0"
+    assert shown.metrics.mode == "multi" and shown.metrics.outcome == "ok"
+
+    assert not call.finished  # the generation goes on behind the answer
+    await call.send("\n        total += item")
+    await call.send("\n    return total\n")
+    await call.end()
+    await settle()
+    rest = "\n    for item in items:\n        total += item\n    return total"
+    assert "total = 0" + rest in completer.cache.values()
+
+    text, offset = typed(TOTAL, TOTAL_CURSOR, "total = 0")  # the user accepts the shown line
+    accepted = await result(start(completer, text, offset, settings))
+    assert accepted.text == rest and accepted.metrics.cache_hit
+    assert len(engine.calls) == 1
+
+
+async def test_typing_through_a_suggestion_reuses_its_rest(completer: Completer, engine: ScriptedEngine) -> None:
+    first = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    await call.send(" * height")
+    await call.end()
+    assert (await result(first)).text == " * height"
+
+    text, offset = typed(AREA, AREA_CURSOR, " * ")
+    reused = await result(start(completer, text, offset))
+    assert reused.text == "height"
+    assert reused.metrics.cache_hit and reused.metrics.outcome == "ok"
+    assert len(engine.calls) == 1
+
+
+async def test_engine_not_ready_answers_loading(completer: Completer, engine: ScriptedEngine) -> None:
+    engine.is_ready = False
+    loading = await result(start(completer, AREA, AREA_CURSOR))
+    assert loading.text == "" and loading.metrics.outcome == "loading"
+    assert engine.calls == []
+
+    no_engine = Completer(lambda: None, Metrics())
+    assert (await result(start(no_engine, AREA, AREA_CURSOR))).metrics.outcome == "loading"
+
+
+async def test_engine_error_mid_stream_then_the_next_request_is_served(
+    completer: Completer, engine: ScriptedEngine
+) -> None:
+    failing = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    await call.send(" *")
+    await call.fail(EngineError("the engine died"))
+    failed = await result(failing)
+    assert failed.text == "" and failed.metrics.outcome == "error"
+
+    retry = start(completer, AREA, AREA_CURSOR)
+    retry_call = await engine.next_call()
+    await retry_call.send(" * height")
+    await retry_call.end()
+    served = await result(retry)
+    assert served.text == " * height" and served.metrics.outcome == "ok"
+
+
+async def test_two_documents_generate_at_once(completer: Completer, engine: ScriptedEngine) -> None:
+    area = start(completer, AREA, AREA_CURSOR, uri="file:///area.py")
+    area_call = await engine.next_call()
+    shapes = start(completer, SHAPES, PERIMETER_CURSOR, uri="file:///shapes.py")
+    shapes_call = await engine.next_call()
+
+    await area_call.send(" *")
+    await shapes_call.send(" * 2")
+    await area_call.send(" height")
+    await shapes_call.send(" + height * 2")
+    assert completer.busy
+    await shapes_call.end()
+    await area_call.end()
+
+    assert (await result(area)).text == " * height"
+    assert (await result(shapes)).text == " * 2 + height * 2"
+    assert not area_call.aborted and not shapes_call.aborted
