@@ -24,6 +24,10 @@ Configurations, each its own ``python -m lsp --stdio`` process:
   off:   ``reuse: false, warmup: false, promptStrategy: "naive"`` (vLLM's own prefix cache still on,
          as vLLM defaults: its hits are what the naive prompt gets by luck)
   cold:  off, and ``prefixCache: false`` (no KV reuse at all: every request prefills its prompt)
+  NAME@base: configuration NAME run from the checkout ``--base`` (the previous commit, say): the
+         same replay against two versions of ember in one run; the table's "server CPU ms / request"
+         is the server process's CPU time over the replay per request (the engine core's process
+         not included)
   eager, compiled: ember with ``engineArgs: {"enforce_eager": true | false}``: vLLM's eager mode
          (stdio's default on the CPU) against compiled mode (torch.compile; the TCP server's and
          the daemon's default); the table shows each one's engine start, ttft and decode rate.
@@ -300,16 +304,33 @@ class Server:
     stats_total: int = 0
     replay_s: float = 0.0
     records: list[Record] = field(default_factory=list)
+    pid: int = 0
+    cpu_s_at_start: float = 0.0
+
+
+def config_and_root(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    """``ember@base`` is the ember configuration run from ``--base`` (another checkout)."""
+    config, _, where = name.partition("@")
+    if where and args.base is None:
+        raise SystemExit(f"{name}: give --base DIR (the checkout to run it from)")
+    return CONFIGS[config], (args.base if where else ROOT)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def start_server(name: str, args: argparse.Namespace) -> Server:
-    options = {"maxTokens": args.max_tokens, **CONFIGS[name]}
+    config, root = config_and_root(name, args)
+    options = {"maxTokens": args.max_tokens, **config}
     command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING", "--model", args.model]
     for engine_arg in args.engine_arg:
         command += ["--engine-arg", engine_arg]
     client = LanguageClient("ember-replay", "0.1")
     started = time.perf_counter()
-    await client.start_io(*command, cwd=str(ROOT))
+    await client.start_io(*command, cwd=str(root))
     await client.initialize_async(
         types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options)
     )
@@ -317,18 +338,25 @@ async def start_server(name: str, args: argparse.Namespace) -> Server:
     await wait_ready(client)
     load_s = time.perf_counter() - started
     print(f"[{name}] server up, model loaded in {load_s:.1f} s; options {options}", flush=True)
-    total = (await client.protocol.send_request_async("ember/stats", {})).requests
-    return Server(name, client, options, load_s, [args.requests], total)
+    stats = await client.protocol.send_request_async("ember/stats", {})
+    server = Server(name, client, options, load_s, [args.requests], stats.requests)
+    server.pid = stats.process.pid
+    server.cpu_s_at_start = process_cpu_s(server.pid)
+    return server
 
 
 async def stop_server(server: Server) -> dict[str, Any]:
     summary = await server.client.protocol.send_request_async("ember/stats", {})
+    # The server process's own CPU (the embedded engine's core runs in a process of its own):
+    # ember's work per request, plus the engine client's (vLLM's frontend, detokenizing).
+    cpu_s = process_cpu_s(server.pid) - server.cpu_s_at_start
     await server.client.shutdown_async(None)
     server.client.exit(None)
     await server.client.stop()
     return {
         "load_s": server.load_s,
         "replay_s": server.replay_s,
+        "server_cpu_s": cpu_s,
         "options": server.options,
         "server_summary": json.loads(json.dumps(summary, default=lambda o: o._asdict() if hasattr(o, "_asdict") else str(o))),
     }
@@ -459,6 +487,7 @@ def print_table(summaries: dict[str, dict[str, Any]]) -> None:
         ("prompt_tokens median", lambda s: fmt(s["prompt_tokens_median"])),
         ("cache_hit rate", lambda s: fmt(s["cache_hit_rate"], ".2f")),
         ("overhead ms p50 / p95", lambda s: f"{fmt(s['overhead_ms']['p50'], '.1f')} / {fmt(s['overhead_ms']['p95'], '.1f')}"),
+        ("server CPU ms / request", lambda s: fmt(s.get("server_cpu_ms_per_request"), ".1f")),
         ("along: cache <=10 ms", lambda s: fmt(s["along"]["fast_cache_fraction"], ".2f")),
         ("outcomes", lambda s: ",".join(f"{k}:{v}" for k, v in sorted(s["outcomes"].items()))),
     ]
@@ -538,7 +567,9 @@ async def main() -> int:
                         "sequential: one server after the other")
     parser.add_argument("--switch-s", type=float, default=1.5, help="pause when the replay switches servers")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--configs", default="ember,off", help="comma-separated: ember, off, cold, eager, compiled")
+    parser.add_argument("--configs", default="ember,off",
+                        help="comma-separated: ember, off, cold, eager, compiled; NAME@base runs NAME from --base")
+    parser.add_argument("--base", type=Path, help="another checkout (e.g. a git worktree of the previous commit) for NAME@base")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a vLLM engine argument for every server (repeatable), as ember --engine-arg")
     parser.add_argument("--model", default="bundled", help="passed to the server as --model (default: bundled, SmolLM2-135M)")
@@ -565,7 +596,10 @@ async def main() -> int:
         await replay(servers, files, args)
         for server in servers:
             records[server.name], runs[server.name] = server.records, await stop_server(server)
-    summaries = {name: {"load_s": runs[name]["load_s"], **summarize(recs)} for name, recs in records.items()}
+    summaries = {
+        name: {"load_s": runs[name]["load_s"], **summarize(recs), "server_cpu_ms_per_request": 1000 * runs[name]["server_cpu_s"] / max(1, len(recs))}
+        for name, recs in records.items()
+    }
     print_table(summaries)
     checks = targets(summaries)
     if checks:

@@ -1,8 +1,10 @@
 """One completion, from a document and cursor to the text to insert.
 
-document -> context.build_prompt -> (caches) -> engine.stream -> context.postprocess. Shared by every
-editor session of the process. Per document it remembers the last suggestion (typed-through reuse)
-and the generation in flight (a newer request either attaches to it or supersedes it).
+The straight path: context.site.site_at (the cursor's site, once) -> the settings' strategy
+(context.baselines) builds the prompt -> (caches) -> engine.stream -> the strategy's cutter stops the
+stream and gives the text. Shared by every editor session of the process. Per document it remembers
+the last suggestion (typed-through reuse) and the generation in flight (a newer request either
+attaches to it or supersedes it).
 """
 
 from __future__ import annotations
@@ -18,18 +20,17 @@ from dataclasses import dataclass, field
 
 from cachetools import LRUCache
 
+from context.baselines import Cutter, Strategy, strategy
 from context.document import Document
-from context.fim import FimTemplate, choose_template, strip_control_tokens
-from context.postprocess import completion_mode, find_stop, plain_postprocess, plain_stop, postprocess
-from context.prompt import Prompt, PromptBudget, Snippet, build_naive_prompt, build_prompt
+from context.fim import FimTemplate, choose_template
+from context.prompt import Prompt, PromptBudget, Snippet
+from context.site import CompletionSite, site_at
 from engine.base import Engine, EngineError, EngineNotReady, GenerationParams
 from lsp.config import Settings
 from lsp.metrics import Metrics, RequestMetrics
 
 log = logging.getLogger(__name__)
 
-# How much text around the cursor post-processing looks at (it needs lines, not the file).
-_AROUND = 8000
 _REUSE_CONTEXT = 256
 DocKey = tuple[Hashable, str]  # (editor session, uri): two TCP sessions may open the same uri
 
@@ -59,11 +60,24 @@ class Cursor:
 class Running:
     """A generation in flight for one document."""
 
+    key: DocKey
     cursor: Cursor
-    task: asyncio.Task[str]
-    partial: str = ""  # post-processed text so far (the final text once the task is done)
+    cutter: Cutter
+    cache_key: str  # where the final text goes in the completion cache
+    on_text: Callable[[str], None] | None = None  # the request's listener for streamed text
+    task: asyncio.Task[bool] = field(init=False)
+    final: str | None = None  # the post-processed text once the generation ended
     attached: int = 0  # later requests waiting on this generation
-    grew: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``partial`` changes
+    grew: asyncio.Event = field(default_factory=asyncio.Event)  # set when the text changes
+
+    def text(self) -> str:
+        """The post-processed text so far; the final text once the generation ended."""
+        return self.final if self.final is not None else self.cutter.preview()
+
+    def changed(self) -> None:
+        self.grew.set()
+        if self.on_text is not None:
+            self.on_text(self.text())
 
 
 @dataclass
@@ -156,15 +170,9 @@ class Completer:
         running = self._running.get(key)
 
         if settings.reuse:
-            reused = self._typed_through(key, text, offset)
+            reused = await self._reuse(key, running, text, offset, metrics)
             if reused is not None:
-                metrics.cache_hit = True
-                return self._done(key, text, offset, reused, metrics, started)
-            attached = await self._attach(running, text, offset) if running is not None else None
-            if attached is not None:
-                metrics.cache_hit = True
-                metrics.outcome = "attached"
-                return self._done(key, text, offset, attached, metrics, started)
+                return self._done(key, Cursor.at(text, offset), reused, metrics, started)
         if running is not None:
             running.task.cancel()  # superseded by this request
 
@@ -177,32 +185,25 @@ class Completer:
             metrics.outcome = "loading"
             return Completion("", metrics.finish(started))
 
-        prefix = text[max(0, offset - _AROUND) : offset]
-        suffix = text[offset : offset + _AROUND]
-        cursor_byte = doc.byte_offset(offset) if doc.tree is not None else None
-        mode = completion_mode(prefix, suffix, doc.language_id, tree=doc.tree, cursor_byte=cursor_byte)
-        metrics.mode = mode
-        prompt = self.prompt_for(engine, doc, offset, settings, snippets)
-        cache_key = _cache_key(prompt, mode, settings, suffix)
+        site = site_at(doc, offset, snippets)
+        metrics.mode = site.mode
+        chosen = strategy(settings.prompt_strategy, settings.postprocess)
+        prompt = self._prompt(engine, site, settings, chosen)
+        cache_key = _cache_key(prompt, site.mode, settings, site.suffix)
         cached = self.cache.get(cache_key) if settings.reuse else None
         if cached is not None:
             metrics.cache_hit = True
-            return self._done(key, text, offset, cached, metrics, started)
+            return self._done(key, Cursor.at(text, offset), cached, metrics, started)
 
-        this = Running(Cursor.at(text, offset), asyncio.ensure_future(asyncio.sleep(0)))  # placeholder task
-
-        def on_partial(partial: str) -> None:
-            this.partial = partial
-            this.grew.set()
-            if on_text is not None:
-                on_text(partial)
-
-        generation_started = time.perf_counter()
-        this.task = asyncio.ensure_future(
-            self._generate(engine, prompt, prefix, suffix, doc.language_id, mode, settings, metrics, on_partial, started)
-        )
+        this = Running(key, Cursor.at(text, offset), chosen.cutter(site, prompt), cache_key, on_text)
+        this.task = asyncio.ensure_future(self._generate(engine, prompt, this, settings, metrics, started))
         self._running[key] = this
-        early_s = settings.early_answer_ms / 1000 if mode == "multi" and settings.early_answer_ms > 0 else None
+        early_s = settings.early_answer_ms / 1000 if site.mode == "multi" and settings.early_answer_ms > 0 else None
+        return await self._answer(this, early_s, metrics, started)
+
+    async def _answer(self, this: Running, early_s: float | None, metrics: RequestMetrics, started: float) -> Completion:
+        """The generation's answer, or with ``early_s`` its complete lines once that much time passed."""
+        generation_started = time.perf_counter()
         detached = False
         try:
             shown = await self._first_lines(this, early_s)
@@ -210,13 +211,13 @@ class Completer:
                 # Show the lines that are complete; the engine goes on and its result lands in the
                 # cache and the suggestion, for typed-through reuse after the user accepts these.
                 detached = True
-                this.task.add_done_callback(lambda task: self._finish_late(key, this, shown, cache_key))
-                if on_text is not None:
-                    on_text(shown)
+                this.task.add_done_callback(lambda task: self._finish_late(this, shown))
+                if this.on_text is not None:
+                    this.on_text(shown)
                 answered = dataclasses.replace(metrics)  # the generation keeps updating ``metrics``
                 answered.engine_ms = (time.perf_counter() - generation_started) * 1000
-                return self._done(key, text, offset, shown, answered, started)
-            raw = this.task.result()
+                return self._done(this.key, this.cursor, shown, answered, started)
+            generated = this.task.result()
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -226,13 +227,26 @@ class Completer:
             metrics.outcome = "superseded"
             return Completion("", metrics.finish(started))
         finally:
-            if not detached and self._running.get(key) is this:
-                del self._running[key]
-        if raw is None:
+            if not detached and self._running.get(this.key) is this:
+                del self._running[this.key]
+        if not generated:
             return Completion("", metrics.finish(started))
-        final = this.partial  # _generate post-processed the finished text once
-        self.cache[cache_key] = final
-        return self._done(key, text, offset, final, metrics, started)
+        final = this.text()
+        self.cache[this.cache_key] = final
+        return self._done(this.key, this.cursor, final, metrics, started)
+
+    async def _reuse(self, key: DocKey, running: Running | None, text: str, offset: int, metrics: RequestMetrics) -> str | None:
+        """An answer without a new generation: the rest of the last suggestion when the user typed
+        its beginning, or of the generation in flight when the user typed what it is producing."""
+        reused = self._typed_through(key, text, offset)
+        if reused is not None:
+            metrics.cache_hit = True
+            return reused
+        attached = await self._attach(running, text, offset) if running is not None else None
+        if attached is not None:
+            metrics.cache_hit = True
+            metrics.outcome = "attached"
+        return attached
 
     async def _first_lines(self, this: Running, early_s: float | None) -> str | None:
         """Waits for the generation; returns None when it is done. With ``early_s``, once that much
@@ -243,7 +257,7 @@ class Completer:
             return None
         done, _ = await asyncio.wait({this.task}, timeout=early_s)
         while not done:
-            lines = complete_lines(this.partial)
+            lines = complete_lines(this.text())
             if lines:
                 return lines
             this.grew.clear()
@@ -255,15 +269,16 @@ class Completer:
             done.discard(grew)
         return None
 
-    def _finish_late(self, key: DocKey, this: Running, shown: str, cache_key: str) -> None:
+    def _finish_late(self, this: Running, shown: str) -> None:
         """The generation behind an early answer ended: cache its full text, and let the shown
         suggestion grow to it unless a newer one replaced it."""
+        key = this.key
         if self._running.get(key) is this:
             del self._running[key]
-        if this.task.cancelled() or this.task.exception() is not None or this.task.result() is None:
+        if this.task.cancelled() or this.task.exception() is not None or not this.task.result():
             return
-        final = this.partial  # _generate post-processed the finished text once
-        self.cache[cache_key] = final
+        final = this.text()
+        self.cache[this.cache_key] = final
         last = self._suggestions.get(key)
         if last is not None and last[1] == shown and final.startswith(shown):
             self._suggestions[key] = (last[0], final)
@@ -271,22 +286,13 @@ class Completer:
     def prompt_for(
         self, engine: Engine, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()
     ) -> Prompt:
-        build = build_naive_prompt if settings.prompt_strategy == "naive" else build_prompt
-        return build(
-            doc.text,
-            offset,
-            uri=doc.uri,
-            language_id=doc.language_id,
-            tree=doc.tree,
-            cursor_byte=doc.byte_offset(offset) if doc.tree is not None else None,
-            template=self.template_for(engine, settings.fim_template),
-            counter=engine.tokenizer,
-            budget=prompt_budget(settings, engine.model.max_model_len),
-            snippets=snippets,
-            # The plain baseline sends the text as it is: re-aligning a healed prompt's output is
-            # post-processing, which it goes without.
-            heal=settings.postprocess != "plain",
-        )
+        """The prompt a completion at ``offset`` would send (the benchmarks read it too)."""
+        chosen = strategy(settings.prompt_strategy, settings.postprocess)
+        return self._prompt(engine, site_at(doc, offset, snippets), settings, chosen)
+
+    def _prompt(self, engine: Engine, site: CompletionSite, settings: Settings, chosen: Strategy) -> Prompt:
+        template = self.template_for(engine, settings.fim_template)
+        return chosen.prompt(site, template, engine.tokenizer, prompt_budget(settings, engine.model.max_model_len))
 
     async def warm(self, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()) -> bool:
         """Prefill the stable part of the prompt at ``offset`` (one output token) so the next real
@@ -311,11 +317,11 @@ class Completer:
         """When the user typed what the generation in flight is producing, wait for it instead of
         starting over, and answer with the rest."""
         typed = running.cursor.typed_since(text, offset)
-        if typed is None or running.task.done() or not running.partial.startswith(typed):
+        if typed is None or running.task.done() or not running.text().startswith(typed):
             return None
         running.attached += 1
         try:
-            raw = await asyncio.shield(running.task)
+            generated = await asyncio.shield(running.task)
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -323,83 +329,65 @@ class Completer:
             return None
         finally:
             running.attached -= 1
-        final = running.partial
-        if raw is None or not final.startswith(typed) or len(final) <= len(typed):
+        final = running.text()
+        if not generated or not final.startswith(typed) or len(final) <= len(typed):
             return None
         return final[len(typed) :]
 
     async def _generate(
-        self,
-        engine: Engine,
-        prompt: Prompt,
-        prefix: str,
-        suffix: str,
-        language_id: str,
-        mode: str,
-        settings: Settings,
-        metrics: RequestMetrics,
-        on_text: Callable[[str], None],
-        started: float,
-    ) -> str | None:
+        self, engine: Engine, prompt: Prompt, this: Running, settings: Settings, metrics: RequestMetrics, started: float
+    ) -> bool:
+        """Streams the completion through ``this.cutter``; False when the engine gave nothing
+        usable (the reason is in ``metrics.outcome``)."""
         request_id = f"ember-{next(self._ids)}"
-        plain = settings.postprocess == "plain"
-
-        def finish(raw: str, truncated: bool, partial: bool) -> str:
-            text = strip_control_tokens(raw)
-            if plain:
-                return plain_postprocess(text, mode)
-            return postprocess(
-                text, prefix, suffix, language_id, mode, healed=prompt.healed, truncated=truncated, partial=partial
-            )
-
         params = GenerationParams(max_tokens=settings.max_tokens, temperature=settings.temperature, stop=prompt.stop)
-        raw = ""
         engine_started = time.perf_counter()
         try:
             async with asyncio.timeout(settings.timeout_ms / 1000):
-                stream = engine.stream(prompt.text, params, request_id, routing_key=prompt.key.routing_key)
-                try:
-                    async for chunk in stream:
-                        if metrics.ttft_ms is None and chunk.text:
-                            metrics.ttft_ms = (time.perf_counter() - started) * 1000
-                        if chunk.prompt_tokens is not None:
-                            metrics.prompt_tokens = chunk.prompt_tokens
-                            metrics.cached_tokens = chunk.cached_tokens or 0
-                        metrics.streamed_tokens += chunk.token_count
-                        raw += chunk.text
-                        if chunk.finish_reason == "length":
-                            metrics.truncated = True
-                        if plain:
-                            cut = plain_stop(raw, mode)
-                        else:
-                            cut = find_stop(raw, prefix, suffix, language_id, mode, healed=prompt.healed)
-                        if cut is not None:
-                            raw = raw[:cut]
-                            break
-                        on_text(finish(raw, False, partial=True))
-                finally:
-                    # Closing the stream aborts the engine-side request when we stopped early.
-                    await stream.aclose()
+                await self._stream(engine, prompt, params, request_id, this, metrics, started)
         except TimeoutError:
             metrics.outcome = "timeout"
             metrics.truncated = True  # cut mid-line, like a length stop
             log.warning("completion %s hit the %d ms deadline; returning what was generated", request_id, settings.timeout_ms)
         except EngineNotReady:
             metrics.outcome = "loading"
-            return None
+            return False
         except EngineError as exc:
             metrics.outcome = "error"
             log.warning("completion %s failed: %s", request_id, exc)
-            return None
+            return False
         finally:
             metrics.engine_ms = (time.perf_counter() - engine_started) * 1000
-        final = finish(raw, metrics.truncated, partial=False)
-        on_text(final)
-        return raw
+        this.final = this.cutter.finish(metrics.truncated)
+        this.changed()
+        return True
 
-    def _done(self, key: DocKey, text: str, offset: int, completion: str, metrics: RequestMetrics, started: float) -> Completion:
+    @staticmethod
+    async def _stream(
+        engine: Engine, prompt: Prompt, params: GenerationParams, request_id: str, this: Running,
+        metrics: RequestMetrics, started: float,
+    ) -> None:
+        stream = engine.stream(prompt.text, params, request_id, routing_key=prompt.key.routing_key)
+        try:
+            async for chunk in stream:
+                if metrics.ttft_ms is None and chunk.text:
+                    metrics.ttft_ms = (time.perf_counter() - started) * 1000
+                if chunk.prompt_tokens is not None:
+                    metrics.prompt_tokens = chunk.prompt_tokens
+                    metrics.cached_tokens = chunk.cached_tokens or 0
+                metrics.streamed_tokens += chunk.token_count
+                if chunk.finish_reason == "length":
+                    metrics.truncated = True
+                if this.cutter.feed(chunk.text):
+                    break
+                this.changed()
+        finally:
+            # Closing the stream aborts the engine-side request when we stopped early.
+            await stream.aclose()
+
+    def _done(self, key: DocKey, cursor: Cursor, completion: str, metrics: RequestMetrics, started: float) -> Completion:
         if completion:
-            self._suggestions[key] = (Cursor.at(text, offset), completion)
+            self._suggestions[key] = (cursor, completion)
         elif metrics.outcome == "ok":
             metrics.outcome = "empty"
         metrics.finish(started)

@@ -747,7 +747,7 @@ def test_completion_mode_from_the_document_tree_matches_the_parse(lang: str, doc
 
 
 def test_completion_mode_from_the_tree_does_not_parse(monkeypatch: pytest.MonkeyPatch) -> None:
-    import context.postprocess as pp
+    import context.surroundings as pp  # where completion_mode parses
 
     prefix, suffix = split('def f():\n    """Sum.\n\n    █\n    """\n')
     document = Document("file:///x.py", "python", prefix + suffix)

@@ -1,0 +1,115 @@
+"""How a completion's prompt is built and its stream cut: ember's way and the baselines it is measured against.
+
+A :class:`Strategy` pairs a prompt builder with a cutter. ``strategy("ast", "syntax")`` is what
+ember ships; the benchmarks swap in the baselines (``promptStrategy: "naive"``, the last lines
+before and after the cursor; ``postprocess: "plain"``, the model's text cut at line breaks only)
+to show what each part buys. Resolved once per settings value, so the request path never branches
+on those names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+from context.fim import FimTemplate, strip_control_tokens
+from context.postprocess import Mode, SyntaxCutter, plain_postprocess, plain_stop
+from context.prompt import Prompt, PromptBudget, TokenCounter, build_naive_prompt, build_prompt
+from context.site import CompletionSite
+
+
+class Cutter(Protocol):
+    """Post-processing of one streamed completion."""
+
+    raw: str  # the model's text so far, cut where feed() stopped it
+
+    def feed(self, chunk: str) -> bool:
+        """Adds streamed text; True when the completion is complete (stop generating)."""
+        ...
+
+    def preview(self) -> str:
+        """The text to show while the stream goes on."""
+        ...
+
+    def finish(self, truncated: bool) -> str:
+        """The text to insert once the stream ended (``truncated``: by the token limit or the deadline)."""
+        ...
+
+
+class PlainCutter:
+    """The baseline without syntax, what a client that only cuts at line breaks does
+    (:func:`context.postprocess.plain_stop`)."""
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+        self.raw = ""
+        self._previewed = ""
+
+    def feed(self, chunk: str) -> bool:
+        self.raw += chunk
+        cut = plain_stop(self.raw, self.mode)
+        if cut is not None:
+            self.raw = self.raw[:cut]
+            return True
+        self._previewed = self.raw
+        return False
+
+    def preview(self) -> str:
+        return plain_postprocess(strip_control_tokens(self._previewed), self.mode) if self._previewed else ""
+
+    def finish(self, truncated: bool) -> str:
+        return plain_postprocess(strip_control_tokens(self.raw), self.mode)
+
+
+PromptBuilder = Callable[..., Prompt]
+CutterFactory = Callable[[CompletionSite, Prompt], Cutter]
+
+
+def syntax_cutter(site: CompletionSite, prompt: Prompt) -> Cutter:
+    return SyntaxCutter(site.prefix, site.suffix, site.language_id, site.mode, prompt.healed)
+
+
+def plain_cutter(site: CompletionSite, prompt: Prompt) -> Cutter:
+    return PlainCutter(site.mode)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to complete: the prompt builder and the post-processing of its output."""
+
+    builder: PromptBuilder
+    make_cutter: CutterFactory
+    # The plain baseline sends the text as it is: re-aligning a healed prompt's output is
+    # post-processing, which it goes without.
+    heal: bool
+
+    def prompt(self, site: CompletionSite, template: FimTemplate, counter: TokenCounter, budget: PromptBudget) -> Prompt:
+        return self.builder(
+            site.text,
+            site.offset,
+            uri=site.uri,
+            language_id=site.language_id,
+            tree=site.tree,
+            cursor_byte=site.cursor_byte,
+            template=template,
+            counter=counter,
+            budget=budget,
+            snippets=site.snippets,
+            heal=self.heal,
+        )
+
+    def cutter(self, site: CompletionSite, prompt: Prompt) -> Cutter:
+        return self.make_cutter(site, prompt)
+
+
+PROMPT_BUILDERS: dict[str, PromptBuilder] = {"ast": build_prompt, "naive": build_naive_prompt}
+POSTPROCESSING: dict[str, tuple[CutterFactory, bool]] = {"syntax": (syntax_cutter, True), "plain": (plain_cutter, False)}
+
+
+@lru_cache(maxsize=len(PROMPT_BUILDERS) * len(POSTPROCESSING))
+def strategy(prompt_strategy: str, postprocess: str) -> Strategy:
+    """The strategy for the settings' ``promptStrategy`` and ``postprocess`` (validated by the settings)."""
+    make_cutter, heal = POSTPROCESSING[postprocess]
+    return Strategy(PROMPT_BUILDERS[prompt_strategy], make_cutter, heal)

@@ -1,0 +1,267 @@
+"""Brackets, strings and the parse check: post-processing's steps that read the suffix.
+
+:func:`balance` drops closers the suffix already has, :func:`trim_overlap` drops a copy of the
+rest of the cursor's line, :func:`parsing_lines` cuts a block back to lines that parse in place;
+:func:`scan_brackets` is the small lexer they share (brackets still open, outside strings and
+comments), and :func:`error_count` the tree-sitter ERROR/MISSING count behind the quality metric.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tree_sitter import Node
+
+from context.languages import parser_for
+from context.surroundings import Surroundings, is_closer_line, leading_space, parse_window
+
+CLOSERS = ")]}"
+
+
+_OPENERS = "([{"
+
+
+_PAIR = {")": "(", "]": "[", "}": "{"}
+
+
+# Multi-line string and comment delimiters, and what to skip while looking for them.
+PY_TOKENS = re.compile(r'"""|\'\'\'|#|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
+
+
+C_TOKENS = re.compile(r'/\*|\*/|//|`|"(?:\\.|[^"\\\n])*"')
+
+
+BLOCK_OPENERS = ('"""', "'''", "/*")
+
+
+BACKTICK_STRINGS = frozenset({"javascript", "javascriptreact", "typescript", "typescriptreact", "go"})
+
+
+def _string_openers(lang: str) -> str:
+    # In Rust `'a` is a lifetime as often as a char; in Python/others `'` opens strings.
+    return "\"`" if lang == "rust" else "\"'`"
+
+
+def _comment_start(lang: str) -> tuple[str, ...]:
+    return ("#",) if lang == "python" else ("//",)
+
+
+def scan_brackets(text: str, lang: str, in_string: str | None = None) -> tuple[list[int], list[str], str | None]:
+    """A rough lexer: (offsets of closers/quotes in ``text`` that close something opened before
+    it, openers still unclosed at the end, the quote still open at the end). Strings end at a
+    line break except template strings; comments run to the end of the line."""
+    unmatched: list[int] = []
+    stack: list[str] = []
+    quotes = _string_openers(lang)
+    comments = _comment_start(lang)
+    quote = in_string
+    quote_from_before = in_string is not None
+    i = 0
+    n = len(text)
+    while i < n:
+        ch = text[i]
+        if quote is not None:
+            if ch == "\\":
+                i += 2
+                continue
+            if ch == quote:
+                if quote_from_before:
+                    unmatched.append(i)
+                quote = None
+                quote_from_before = False
+            elif ch == "\n" and quote != "`":
+                quote = None
+                quote_from_before = False
+            i += 1
+            continue
+        if ch in quotes:
+            quote = ch
+        elif any(text.startswith(c, i) for c in comments):
+            nl = text.find("\n", i)
+            i = n if nl < 0 else nl
+            continue
+        elif ch in _OPENERS:
+            stack.append(ch)
+        elif ch in CLOSERS:
+            if stack and stack[-1] == _PAIR[ch]:
+                stack.pop()
+            elif not stack:
+                unmatched.append(i)
+            else:  # mismatched: the model's own mess, not ours to judge
+                stack.pop()
+        i += 1
+    return unmatched, stack, quote
+
+
+def _suffix_head(suffix: str, same_line: bool) -> str:
+    """The closers and quotes that the suffix starts with (whitespace between them skipped)."""
+    out = []
+    for ch in suffix[:200]:
+        if ch in " \t":
+            continue
+        if ch in "\r\n":
+            if same_line:
+                break
+            continue
+        if ch in CLOSERS or ch in "\"'`":
+            out.append(ch)
+            continue
+        break
+    return "".join(out)
+
+
+def balance(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str = "") -> str:
+    """``text`` cut before a closer that the suffix already has, when that helps (see
+    :func:`postprocess`, step 6). ``joiner`` is what will follow the text before the suffix."""
+    _, _, quote_at_cursor = scan_brackets(site.before, site.lang)
+    unmatched, _, _ = scan_brackets(text, site.lang, quote_at_cursor)
+    if not unmatched:
+        return text
+    has_grammar = parser_for(site.lang) is not None
+    head = _suffix_head(suffix, same_line=not has_grammar)
+    if not head:
+        return text
+    cuts = [p for p in unmatched if text[p] == head[0]][:4]
+    tail = _closer_tail(text) if has_grammar else None
+    if tail is not None and text[tail] == head[0] and tail not in cuts:
+        # The completion closed a block opened before the cursor and opened one of its own
+        # (`} else {`), which its last line closes: the suffix's closer makes that line one too
+        # many, a cut that no unmatched closer gives.
+        cuts.append(tail)
+    if not cuts:
+        return text
+
+    if not has_grammar:
+        # Count on the cursor's line: openers left open before the cursor must be closed exactly
+        # once, by the completion's closers or the suffix's.
+        _, open_before, _ = scan_brackets(site.before, site.lang)
+        closing_in_head = sum(1 for c in head if c in CLOSERS)
+        if quote_at_cursor is not None and head[0] == quote_at_cursor:
+            return text[: cuts[0]].rstrip(" \t")
+        want = len(open_before) - closing_in_head  # closers the completion should keep
+        closers = [p for p in unmatched if text[p] in CLOSERS]
+        if 0 <= want < len(closers) and text[closers[want]] == head[0]:
+            return text[: closers[want]].rstrip(" \t")
+        return text
+
+    base = error_count(prefix + text + joiner + suffix, site.lang)
+    if base is None or base == 0:
+        return text
+    best, best_errors = text, base
+    for p in cuts:
+        candidate = text[:p].rstrip()
+        errors = error_count(prefix + candidate + joiner + suffix, site.lang)
+        # Cuts come in text order; on a tie the earlier (shorter) one loses, keeping more text.
+        if errors is not None and errors <= best_errors and (errors < best_errors or best is not text):
+            best, best_errors = candidate, errors
+    return best
+
+
+_CHECK_CHARS = 2500
+
+
+def parsing_lines(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str, truncated: bool) -> str:
+    """The longest run of ``text``'s first lines that the document parses with: no more
+    tree-sitter ERROR/MISSING nodes than without the completion (the ``syntax_ok`` metric).
+    Catches what the line rules cannot see, e.g. a line at the wrong depth for Python
+    (``return x`` dedented out of the loop that the suffix continues, a header's body not
+    indented). Only when the whole text fails; when no first lines parse, ``""``, or the first
+    line when the token limit cut the text (it is the start of a statement, as in step 1)."""
+    parser = parser_for(site.lang)
+    if parser is None:
+        return text
+    # A few KB around the cursor, parsed once; each candidate is an edit of that tree, which
+    # tree-sitter reparses incrementally (this runs on every final multi-line answer). The same
+    # window is parsed with and without the completion, so its cut edges count the same.
+    prefix, suffix = parse_window(prefix, suffix, _CHECK_CHARS)
+    head = prefix.encode("utf-8", "surrogatepass")
+    tail = suffix.encode("utf-8", "surrogatepass")
+    base = parser.parse(head + tail)
+    before = _errors(base.root_node)
+    at = (prefix.count("\n"), len(head) - (head.rfind(b"\n") + 1))  # (row, byte column)
+
+    def parses(candidate: str) -> bool:
+        inserted = (candidate + joiner).encode("utf-8", "surrogatepass")
+        rows = inserted.count(b"\n")
+        end = (at[0] + rows, (at[1] if rows == 0 else 0) + len(inserted) - (inserted.rfind(b"\n") + 1))
+        tree = base.copy()
+        tree.edit(len(head), len(head), len(head) + len(inserted), at, at, end)
+        return _errors(parser.parse(head + inserted + tail, tree).root_node) <= before
+
+    if parses(text):
+        return text
+    lines = text.split("\n")
+    for k in range(len(lines) - 1, 0, -1):
+        candidate = "\n".join(lines[:k]).rstrip()
+        if candidate.strip() and parses(candidate):
+            return candidate
+    return lines[0] if truncated else ""
+
+
+def _closer_tail(text: str) -> int | None:
+    """Where the closer line that ``text`` ends with starts (its first closer), if it has one
+    and more lines before it."""
+    body = text.rstrip()
+    start = body.rfind("\n") + 1
+    if start == 0 or not is_closer_line(body[start:].strip()):
+        return None
+    return start + len(leading_space(body[start:]))
+
+
+def error_count(source: str, lang: str) -> int | None:
+    """ERROR and MISSING nodes in the parse of ``source``; ``None`` without a grammar."""
+    parser = parser_for(lang)
+    if parser is None:
+        return None
+    return _errors(parser.parse(source.encode("utf-8", "surrogatepass")).root_node)
+
+
+def _errors(root: Node) -> int:
+    if not root.has_error:
+        return 0
+    count = 0
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node.is_error or node.is_missing:
+            count += 1
+        # has_error covers the node and its descendants: healthy subtrees are skipped.
+        stack.extend(child for child in node.children if child.has_error)
+    return count
+
+
+def _overlap_rest(text: str, site: Surroundings) -> str | None:
+    """``text`` without the copy of the rest of the cursor's line that it ends with, or ``None``
+    when it has none."""
+    rest = site.after.strip()
+    if not rest:
+        return None
+    body = text.rstrip()
+    if body.endswith(rest):
+        cut = body[: len(body) - len(rest)]
+        return cut.rstrip(" \t") if site.after[:1].isspace() else cut
+    # A partial copy: the completion ends with the start of the rest, up to a word boundary.
+    for k in range(min(len(rest), len(body)) - 1, 3, -1):
+        piece = rest[:k]
+        if body.endswith(piece) and any(c.isalnum() for c in piece) and not rest[k].isalnum():
+            return body[: len(body) - k]
+    return None
+
+
+def trim_overlap(text: str, prefix: str, suffix: str, site: Surroundings) -> str:
+    """Same-line overlap: the model rewrote the rest of the line. A rest with a word in it is
+    trusted; one made of punctuation (`;`, `):`, `))`) may be the completion's own, so a parse
+    must not get worse, and closers alone are left to the bracket balancer."""
+    cut = _overlap_rest(text, site)
+    if cut is None:
+        return text
+    rest = site.after.strip()
+    if any(c.isalnum() for c in rest):
+        return cut
+    if all(c in CLOSERS or c.isspace() for c in rest):
+        return text
+    before = error_count(prefix + text + suffix, site.lang)
+    if before is None:
+        return cut
+    after = error_count(prefix + cut + suffix, site.lang)
+    return cut if after is not None and after <= before else text

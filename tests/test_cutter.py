@@ -1,0 +1,121 @@
+"""The streaming cutters (context.baselines, context.postprocess.SyntaxCutter) against the string
+functions they are built from, on the dev sets' cursors: fed in chunks of any size, a cutter stops
+where ``find_stop`` / ``plain_stop`` stop on the text so far, previews what ``postprocess`` /
+``plain_postprocess`` give for it, and finishes with their answer."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from context.baselines import PlainCutter, strategy
+from context.document import Document
+from context.fim import choose_template, strip_control_tokens
+from context.postprocess import SyntaxCutter, completion_mode, find_stop, plain_postprocess, plain_stop, postprocess
+from context.prompt import ApproxCounter, PromptBudget
+from context.site import AROUND_CHARS, site_at
+
+EVAL = Path(__file__).resolve().parents[2] / "shared" / "eval"
+ENDINGS = ["", "<|endoftext|>", "<|file_sep|>more", "\n\n```\nThis function returns the area.\n", "\n" * 3]
+
+
+def cases(n: int) -> list[dict]:
+    rows: list[dict] = []
+    for name in ("humaneval_infilling_dev.jsonl", "safim_dev.jsonl"):
+        with open(EVAL / name) as f:
+            lines = f.readlines()
+        rows += [json.loads(line) for line in random.Random(7).sample(lines, n)]
+    return rows
+
+
+def chunks(text: str, rng: random.Random) -> list[str]:
+    out, i = [], 0
+    while i < len(text):
+        step = rng.choice([1, 1, 2, 3, 5, 8, 40])
+        out.append(text[i : i + step])
+        i += step
+    return out
+
+
+def generations(case: dict, rng: random.Random) -> list[str]:
+    """What a model might write at the cursor: the answer, the answer running on into the suffix
+    (the model repeating what follows), a wrong indentation, each with an ending."""
+    middle, suffix = case["middle"], case["suffix"]
+    texts = [middle, middle + suffix[:300], "\n" + middle, middle.replace("    ", "\t")]
+    return [text + rng.choice(ENDINGS) for text in texts]
+
+
+def reference(raw_chunks: list[str], prefix: str, suffix: str, lang: str, mode: str, healed: str, plain: bool):
+    """The completer's loop before the cutters existed: (the stopped raw text, previews, final)."""
+    raw, previews = "", []
+
+    def finish(text: str, truncated: bool, partial: bool) -> str:
+        text = strip_control_tokens(text)
+        if plain:
+            return plain_postprocess(text, mode)
+        return postprocess(text, prefix, suffix, lang, mode, healed=healed, truncated=truncated, partial=partial)
+
+    for chunk in raw_chunks:
+        raw += chunk
+        cut = plain_stop(raw, mode) if plain else find_stop(raw, prefix, suffix, lang, mode, healed=healed)
+        if cut is not None:
+            raw = raw[:cut]
+            break
+        previews.append(finish(raw, False, partial=True))
+    return raw, previews, finish(raw, True, partial=False), finish(raw, False, partial=False)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["syntax", "plain"])
+def test_cutters_agree_with_the_string_functions_on_dev_set_cursors(plain: bool) -> None:
+    rng = random.Random(11)
+    checked = 0
+    for case in cases(60):
+        prefix = case["prefix"][-AROUND_CHARS:]
+        suffix = case["suffix"][:AROUND_CHARS]
+        lang = case["language"]
+        mode = completion_mode(prefix, suffix, lang)
+        healed = rng.choice(["", " ", prefix[len(prefix.rstrip(" \t")) :]])
+        for generated in generations(case, rng):
+            raw_chunks = chunks(generated, rng)
+            cutter = PlainCutter(mode) if plain else SyntaxCutter(prefix, suffix, lang, mode, healed)
+            previews = []
+            for chunk in raw_chunks:
+                if cutter.feed(chunk):
+                    break
+                previews.append(cutter.preview())
+            raw, want_previews, want_truncated, want_final = reference(raw_chunks, prefix, suffix, lang, mode, healed, plain)
+            assert cutter.raw == raw, case["id"]
+            assert previews == want_previews, case["id"]
+            assert cutter.finish(True) == want_truncated, case["id"]
+            assert cutter.finish(False) == want_final, case["id"]
+            checked += 1
+    assert checked == 480
+
+
+def test_a_cutter_stops_where_the_block_ends_and_keeps_the_preview_of_the_text_before() -> None:
+    prefix, suffix = "def area(r):\n    ", "\n\nprint(area(2))\n"
+    cutter = SyntaxCutter(prefix, suffix, "python", "multi")
+    assert not cutter.feed("return 3.14 * r")
+    assert cutter.preview() == "return 3.14 * r"
+    assert not cutter.feed(" * r\n")
+    assert cutter.feed("print(area(2))\n")  # the suffix's next line: the block is complete
+    assert cutter.preview() == "return 3.14 * r * r"  # as of the last chunk that did not stop
+    assert cutter.finish(False) == "return 3.14 * r * r"
+
+
+def test_the_strategy_builds_the_prompt_from_the_site_and_picks_the_cutter() -> None:
+    doc = Document("file:///a.py", "python", "import math\n\ndef area(r):\n    \n")
+    site = site_at(doc, doc.offset_at(3, 4))
+    assert site.mode == "multi" and site.language_id == "python" and site.prefix.endswith("def area(r):\n    ")
+    template = choose_template(["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"], "qwen2.5-coder")
+    budget = PromptBudget.for_model(2048, 48)
+    ember = strategy("ast", "syntax")
+    prompt = ember.prompt(site, template, ApproxCounter(), budget)
+    assert prompt.text.startswith("<|fim_prefix|>") and "def area(r):" in prompt.text
+    assert isinstance(ember.cutter(site, prompt), SyntaxCutter)
+    plain = strategy("naive", "plain")
+    assert isinstance(plain.cutter(site, plain.prompt(site, template, ApproxCounter(), budget)), PlainCutter)
+    assert strategy("ast", "syntax") is ember  # resolved once per settings value
