@@ -31,6 +31,7 @@ from bisect import bisect_left, bisect_right
 from tree_sitter import Parser, Tree
 
 from context.languages import normalize_language_id, parser_for
+from context.memo import TextMemo
 
 Range = tuple[tuple[int, int], tuple[int, int]]
 
@@ -80,6 +81,12 @@ class Document:
         """The syntax tree of text; None without a grammar or above max_parse_bytes."""
         return self._tree
 
+    @property
+    def memo(self) -> TextMemo:
+        """What prompt building derived from text (token counts, header, definitions); each edit
+        gives the new text a memo that keeps what the edit did not touch."""
+        return self._memo
+
     # ----- edits -------------------------------------------------------------------------------
 
     def apply_change(
@@ -107,6 +114,7 @@ class Document:
 
     def _replace_all(self, text: str) -> None:
         self._text, data = _clean(text)
+        self._memo = TextMemo(self._text)
         self._starts, self._byte_starts, self._lone_cr = _index(self._text)
         self._reparse(data, None)
 
@@ -122,6 +130,7 @@ class Document:
         old_end_point = self._ts_point(e, eb) if incremental else (0, 0)
 
         self._text = old[:s] + new + old[e:]
+        self._memo = self._memo.after_edit(self._text, s, e, len(new))
         self._update_index(old, s, e, new, sb, eb, len(new_data))
 
         if not incremental or self._tree is None or self._bytes is None:

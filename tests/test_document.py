@@ -403,3 +403,49 @@ def test_line_index_update_is_fast_on_a_2000_line_file() -> None:
     per_edit = (time.perf_counter() - began) / edits
     assert doc.line_count == 2001 + edits // 5
     assert per_edit < 1e-3
+
+
+# ----- the memo of derived data ----------------------------------------------------------------
+
+
+def test_memo_belongs_to_the_current_text_and_keeps_what_an_edit_did_not_touch() -> None:
+    doc = Document("file:///a.py", "python", "import os\n\ndef f():\n    return 1\n")
+    memo = doc.memo
+    assert memo.describes(doc.text) and not memo.describes("".join(list(doc.text)))
+    counter = object()
+    memo.remember_count(counter, "window", 0, 11, 3, pinned=True)  # "import os\n\n"
+    memo.remember_count(counter, "window", 22, 35, 4, pinned=True)  # after the edit below: pinned
+    memo.remember_count(counter, "sample", 22, 35, 5)
+    memo.remember("header", 0, 10, 100, "import os\n")
+    memo.remember("header", 0, 30, 100, "spans the edit")
+    doc.apply_change("g", ((2, 4), (2, 5)))  # f -> g at offset 15
+    after = doc.memo
+    assert after is not memo and after.describes(doc.text) and not memo.describes(doc.text)
+    assert after.count(counter, "window", 0, 11) == 3
+    assert after.count(counter, "window", 22, 35) is None
+    assert after.count(counter, "sample", 22, 35) == 5  # same length: not moved
+    assert after.derived("header", 0, 10, 100) == "import os\n"
+    assert after.derived("header", 0, 30, 100) is None
+    # The old text's memo is untouched (a request still holding it stays consistent).
+    assert memo.derived("header", 0, 30, 100) == "spans the edit"
+
+
+def test_memo_entries_after_an_insertion_move_with_the_text() -> None:
+    doc = Document("file:///a.txt", "plaintext", "0123456789")
+    counter = object()
+    doc.memo.remember_count(counter, "sample", 5, 10, 2)
+    doc.memo.remember_count(counter, "window", 5, 10, 2, pinned=True)
+    doc.memo.remember("definitions", 0, 3, ("p", "x"), ())
+    doc.apply_change("abc", ((0, 2), (0, 2)))
+    assert doc.memo.count(counter, "sample", 8, 13) == 2 and doc.memo.count(counter, "sample", 5, 10) is None
+    assert doc.memo.count(counter, "window", 8, 13) is None
+    assert doc.memo.derived("definitions", 0, 3, ("p", "x")) is None  # spans the edit
+    # Another counter's counts are not this one's.
+    assert doc.memo.count(object(), "sample", 8, 13) is None
+
+
+def test_full_replacement_starts_a_fresh_memo() -> None:
+    doc = Document("file:///a.py", "python", "x = 1\n")
+    doc.memo.remember("header", 0, 2, 1, "x")
+    doc.apply_change("y = 2\n")
+    assert doc.memo.describes(doc.text) and doc.memo.derived("header", 0, 2, 1) is None

@@ -19,7 +19,9 @@ from context.fim import PREFIX_ONLY, TEMPLATES, choose_template, neutralize_cont
 from context.prompt import (
     ApproxCounter,
     PromptBudget,
+    PromptRequest,
     Snippet,
+    anchored_prompt,
     build_naive_prompt,
     build_prompt,
     cut_suffix,
@@ -385,14 +387,36 @@ class RecordingCounter(ApproxCounter):
 def test_a_keystroke_counts_only_the_cursor_line():
     text = long_python_file()
     offset = text.index("    \n    return counts") + 4
+    doc = Document("file:///src/long.py", "python", text)
     counter = RecordingCounter()
-    build_prompt(text, offset, counter=counter)
+    anchored_prompt(PromptRequest(doc.text, offset, counter=counter, memo=doc.memo))
     assert counter.counted > 3000, "the first request counts the window"
-    for typed in ("f", "fo", "for v in values:\n        "):
+    for typed in ("f", "o", "r v in values:\n        "):
+        line, col = doc.position_at(offset)
+        doc.apply_change(typed, ((line, col), (line, col)))
+        offset += len(typed)
         counter.counted = 0
-        build_prompt(text[:offset] + typed + text[offset:], offset + len(typed), counter=counter)
+        with_memo = anchored_prompt(PromptRequest(doc.text, offset, counter=counter, memo=doc.memo))
         # Typing on a line, or Enter: only the cursor line and the line just finished are counted.
         assert counter.counted <= 80, typed
+        # Plain strings (no memo) count the window afresh, to the same prompt.
+        counter.counted = 0
+        fresh = build_prompt(doc.text, offset, counter=counter)
+        assert counter.counted > 3000
+        assert (fresh.text, fresh.key, fresh.stable_chars) == (with_memo.text, with_memo.key, with_memo.stable_chars)
+
+
+def test_a_memo_is_only_read_for_its_own_text():
+    text = long_python_file()
+    offset = text.index("    \n    return counts") + 4
+    doc = Document("file:///src/long.py", "python", text)
+    counter = RecordingCounter()
+    anchored_prompt(PromptRequest(doc.text, offset, counter=counter, memo=doc.memo))
+    other = text.replace("counts", "totals")
+    counter.counted = 0
+    stale = anchored_prompt(PromptRequest(other, offset, counter=counter, memo=doc.memo))
+    assert counter.counted > 3000, "another text does not use the memo"
+    assert stale == build_prompt(other, offset, counter=counter)
 
 
 def test_whole_file_when_it_fits():
@@ -749,6 +773,21 @@ def test_python_imports_and_definitions_of_rust_and_go():
     go = {d.name: d.signature for d in definitions(GO.replace(CURSOR, ""), "go")}
     assert go["Get"] == "func (c *LRU) Get(key string) ([]byte, bool) { ... }"
     assert go["entry"].startswith("type entry struct {")
+
+
+
+def test_definitions_are_remembered_with_their_document():
+    doc = Document("file:///src/store.rs", "rust", RUST.replace(CURSOR, ""))
+    first = definitions(doc.text, "rust", doc.uri, doc.memo)
+    assert definitions(doc.text, "rust", doc.uri, doc.memo) is first
+    assert definitions(doc.text, "rust", doc.uri) == first and definitions(doc.text, "rust", doc.uri) is not first
+    doc.apply_change("\n// more\n", ((doc.line_count - 1, 0), (doc.line_count - 1, 0)))
+    assert definitions(doc.text, "rust", doc.uri, doc.memo) is not first
+    # Snippets read the memos of the documents given whole.
+    other = Document("file:///src/pkg/util.py", "python", "def helper(x):\n    return x\n")
+    picked = select_snippets("from pkg.util import helper\n", "python", [(other.uri, other.text)], 500, {other.uri: other.memo})
+    assert picked == select_snippets("from pkg.util import helper\n", "python", [(other.uri, other.text)], 500)
+    assert other.memo.derived("definitions", 0, len(other.text), (other.uri, "python")) is not None
 
 
 # ------------------------------------------------------------------------------------------------
