@@ -11,9 +11,8 @@ import os
 import signal
 import ssl
 import sys
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from lsp import VERSION
 from lsp.config import (
@@ -24,10 +23,9 @@ from lsp.config import (
     parse_engine_arg,
     vllm_flags,
 )
-from lsp.framing import ResyncReader
 
 if TYPE_CHECKING:
-    from lsp.server import EmberCore
+    from lsp.engine_host import EmberCore
 
 # The server (pygls, lsprotocol, tree-sitter, and through the engine vLLM) is imported only by the
 # commands that serve: `ember --stdio` with the daemon is a forwarder that must start at once.
@@ -56,6 +54,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="[HOST:]PORT",
         help="serve editors over TCP; HOST defaults to 127.0.0.1, a non-loopback HOST requires --token",
     )
+    add_engine_arguments(parser)
+    add_completion_arguments(parser)
+    add_service_arguments(parser)
+    parser.add_argument("--version", action="version", version=f"ember {VERSION}")
+    return parser.parse_args(argv)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which model, served where, with which vLLM arguments."""
     parser.add_argument(
         "--model",
         help="Hugging Face id, local model folder, .gguf file, or `bundled` (the small SmolLM2-135M that "
@@ -81,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "parses, else a string; repeat for more; embedded engine only). If vLLM rejects them, ember starts "
         "with its defaults and tells the editor",
     )
+
+
+def add_completion_arguments(parser: argparse.ArgumentParser) -> None:
+    """How each completion is generated: lengths, budgets, deadline, template."""
     parser.add_argument("--max-tokens", type=int, help="most tokens generated per completion (default 64)")
     parser.add_argument("--debounce-ms", type=int, help="server-side debounce in milliseconds (default 0)")
     parser.add_argument(
@@ -95,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--timeout-ms", type=int, help="deadline of one completion (default 15000)")
     parser.add_argument("--fim-template", help="force a FIM template (qwen2.5-coder, starcoder2, ..., prefix-only)")
+
+
+def add_service_arguments(parser: argparse.ArgumentParser) -> None:
+    """Metrics, TCP security, logging and the per-user daemon."""
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT/metrics")
     parser.add_argument("--token", help="secret that TCP clients send as initializationOptions.token")
     parser.add_argument("--tls-cert", help="PEM certificate for TCP (with --tls-key)")
@@ -129,8 +144,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a daemon started by this ember exits after this long without an editor (default 300, or "
         "$EMBER_DAEMON_IDLE_S)",
     )
-    parser.add_argument("--version", action="version", version=f"ember {VERSION}")
-    return parser.parse_args(argv)
 
 
 def cli_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -213,38 +226,30 @@ async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
 
 
 def stop_on_sigterm(core: EmberCore) -> None:
-    from lsp.server import close_and_exit
+    from lsp.engine_host import close_and_exit
 
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(close_and_exit(core, 0)))
 
 
 async def serve_stdio(core: EmberCore, metrics_port: int | None = None) -> None:
-    from pygls.io_ import StdinAsyncReader, StdoutWriter, run_async
-
-    from lsp.server import build_server, close_and_exit
+    from lsp.engine_host import close_and_exit
+    from lsp.protocol import serve_stdio_messages
+    from lsp.server import build_server
 
     if metrics_port is not None:
         await serve_metrics(core, metrics_port)
     server = build_server(core)
-    server._stop_event = threading.Event()
-    server.protocol.set_writer(StdoutWriter(lsp_stdout()))
+    stdout = lsp_stdout()
     stop_on_sigterm(core)
-    reader = ResyncReader(StdinAsyncReader(sys.stdin.buffer, server.thread_pool))
     try:
-        await run_async(
-            stop_event=server._stop_event,
-            reader=reader,
-            protocol=server.protocol,
-            logger=log,
-            error_handler=server.report_server_error,
-        )
+        await serve_stdio_messages(server, stdout, log)
     finally:
         # stdin closed (the editor quit or crashed) or exit: never outlive the editor.
         await close_and_exit(core, 0)
 
 
-def lsp_stdout():
+def lsp_stdout() -> BinaryIO:
     """The LSP stream gets its own copy of fd 1, and fd 1 itself becomes stderr: a library (or
     a child process) that prints to stdout cannot corrupt the protocol."""
     stream = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
@@ -259,22 +264,13 @@ async def serve_connection(
 ) -> None:
     """One editor over a stream (TCP, or the daemon's Unix socket): its own server (documents,
     settings) on the shared ``core``."""
-    from pygls.io_ import run_async
-
+    from lsp.protocol import serve_stream_messages
     from lsp.server import build_server
 
     log.info("editor connected from %s", peer)
     server = build_server(core, token=token, exit_process=False)
-    server._stop_event = threading.Event()
-    server.protocol.set_writer(writer)  # type: ignore[arg-type]
     try:
-        await run_async(
-            stop_event=server._stop_event,
-            reader=ResyncReader(reader),
-            protocol=server.protocol,
-            logger=log,
-            error_handler=server.report_server_error,
-        )
+        await serve_stream_messages(server, reader, writer, log)
     except (ConnectionError, asyncio.IncompleteReadError) as exc:
         log.info("editor %s went away: %s", peer, exc)
     finally:
@@ -342,7 +338,7 @@ def daemon_main(argv: list[str]) -> int:
     if daemon.daemon_key(settings) != args.key:
         print(f"ember daemon: --key {args.key} does not name these engine settings", file=sys.stderr)
         return 2
-    from lsp.server import EmberCore
+    from lsp.engine_host import EmberCore
 
     # Eager on a CPU, though the daemon lives long: the window that starts it waits for the engine
     # (compiled mode: 159 vs 36 s here), and the decode gain did not show in this machine's runs
@@ -415,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return forward_stdio(args, argv, cli_options(args), settings)
 
-    from lsp.server import EmberCore
+    from lsp.engine_host import EmberCore
 
     # A TCP server outlives many editor sessions: worth a slower engine start for faster decoding.
     core = EmberCore(settings, long_lived=tcp is not None)

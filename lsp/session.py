@@ -1,0 +1,197 @@
+"""One editor connection: :class:`EmberServer` holds its documents, settings, rate limit and
+warm-ups on the process' shared :class:`lsp.engine_host.EmberCore`, and turns a cursor into a
+completion request for :mod:`lsp.completer`.
+
+Handlers (:mod:`lsp.server`) call it; pygls' internals stay in :mod:`lsp.protocol`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lsprotocol import types
+from pygls.exceptions import JsonRpcInvalidParams
+from pygls.lsp.server import LanguageServer
+
+from context.document import Document, PositionError, utf16_position
+from context.prompt import Snippet, select_snippets
+from lsp import VERSION
+from lsp.engine_host import EmberCore, close_and_exit
+from lsp.metrics import RequestMetrics
+from lsp.protocol import EmberProtocol, UnknownDocument, stop_reading
+
+log = logging.getLogger(__name__)
+
+SNIPPET_CHARS = 880  # cross-file context: within the prompt builder's snippet budget (256 tokens)
+SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
+
+
+def import_lines(text: str) -> str:
+    """The lines that decide which other files matter; the cross-file choice is redone only when
+    they (or the other files) change, not on every keystroke."""
+    return "\n".join(line for line in text[:20_000].splitlines() if line.lstrip().startswith(("import ", "from ", "#include", "use ", "require(")) or " require(" in line)
+
+
+@dataclass
+class RateLimit:
+    """A token bucket holding one second's worth of requests: bursts up to ``rate`` pass at once."""
+
+    rate: float
+    tokens: float = 0.0
+    stamp: float = field(default_factory=time.monotonic)
+
+    def allow(self) -> bool:
+        if self.rate <= 0:
+            return True
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+class EmberServer(LanguageServer):
+    """One editor's session: its documents (ember's own, not pygls' workspace), settings and
+    warm-ups, on the shared core."""
+
+    protocol: EmberProtocol
+
+    def __init__(self, core: EmberCore, *, token: str | None = None, exit_process: bool = True) -> None:
+        super().__init__("ember", VERSION, protocol_cls=EmberProtocol)
+        self.core = core
+        self.settings = core.settings
+        self.rate_limit = RateLimit(core.settings.max_requests_per_second, tokens=core.settings.max_requests_per_second)
+        self.documents: dict[str, Document] = {}
+        self.required_token = token
+        self.exit_process = exit_process
+        self.authorized = token is None
+        self._warmups: dict[str, asyncio.Task[Any]] = {}
+        self._snippets: tuple[Any, tuple[Snippet, ...]] = (None, ())
+        self._messages_shown: set[str] = set()
+
+    def cancel_work(self) -> None:
+        """Stops this session's generations and warm-ups (shutdown); the session still reads exit."""
+        self.core.completer.cancel_all(id(self))
+        for task in self._warmups.values():
+            task.cancel()
+
+    def on_exit(self) -> None:
+        self.cancel_work()
+        stop_reading(self)
+
+    def report_server_error(self, error: Exception, source: Any) -> None:
+        """A body that is not JSON (or not UTF-8) gets JSON-RPC's Parse error (-32700, id null,
+        since its id cannot be read) as well as pygls' message to the user."""
+        if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+            # A plain dict: lsprotocol's converter would drop the null id.
+            self.protocol.send_json(
+                {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"ember: parse error: {error}"}}
+            )
+        super().report_server_error(error, source)
+
+    def end(self, *, clean: bool) -> None:
+        """``exit``: ends this connection; over stdio it also stops the engine and ends the process
+        (code 0 after a shutdown, else 1, as LSP says)."""
+        if self.exit_process:
+            # Not on_exit(): stopping the reader would end serve_stdio, whose own close_and_exit(0)
+            # would race this one (LSP: exit code 1 without a shutdown before it).
+            self.cancel_work()
+            asyncio.ensure_future(close_and_exit(self.core, 0 if clean else 1))
+        else:
+            self.on_exit()
+            if self.protocol.writer is not None:
+                self.protocol.writer.close()
+
+    def notify_user(self, message: str, kind: types.MessageType = types.MessageType.Error) -> None:
+        """Shows a message once per distinct text, so a dead engine does not spam the editor."""
+        log.log(logging.ERROR if kind == types.MessageType.Error else logging.WARNING, "%s", message)
+        if message in self._messages_shown:
+            return
+        self._messages_shown.add(message)
+        self.window_show_message(types.ShowMessageParams(type=kind, message=f"ember: {message}"))
+
+    # ------------------------------------------------------------------ documents and positions
+
+    def document(self, uri: str) -> Document:
+        doc = self.documents.get(uri)
+        if doc is None:
+            raise UnknownDocument(f"unknown document {uri!r}: it was not opened with textDocument/didOpen")
+        return doc
+
+    def to_utf16(self, doc: Document, line: int, character: int) -> tuple[int, int]:
+        """Positions arrive in the negotiated encoding; documents count UTF-16 units."""
+        capabilities = self.protocol.server_capabilities
+        return utf16_position(doc, line, character, capabilities.position_encoding if capabilities else None)
+
+    def offset_of(self, doc: Document, position: types.Position) -> int:
+        line, character = self.to_utf16(doc, position.line, position.character)
+        try:
+            return doc.offset_at(line, character)
+        except PositionError as exc:
+            raise JsonRpcInvalidParams(f"{doc.uri}: {exc}") from exc
+
+    def schedule_warmup(self, doc: Document, offset: int, delay_s: float) -> None:
+        """After a pause in typing (no further change for ``delay_s``), prefill the stable part of
+        the prompt at the last edit so the next request only prefills its tail."""
+        previous = self._warmups.pop(doc.uri, None)
+        if previous is not None:
+            previous.cancel()
+        if not self.settings.warmup:
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(delay_s)
+            if self.core.check_engine() and self.documents.get(doc.uri) is doc:
+                await self.core.completer.warm(doc, offset, self.settings, self.other_files(doc))
+
+        self._warmups[doc.uri] = asyncio.ensure_future(later())
+
+    def other_files(self, current: Document) -> tuple[Snippet, ...]:
+        """Context from the other open documents (what the current file imports first), in a
+        stable order so that it stays in the engine's prefix cache."""
+        if not self.settings.cross_file or len(self.documents) < 2:
+            return ()
+        others = tuple((uri, doc.version) for uri, doc in self.documents.items() if uri != current.uri)
+        key = (current.uri, others, import_lines(current.text))
+        if self._snippets[0] != key:
+            texts = [(uri, self.documents[uri].text[:SNIPPET_SOURCE_CHARS]) for uri, _ in others]
+            self._snippets = (key, select_snippets(current.text, current.language_id, texts, SNIPPET_CHARS))
+        return self._snippets[1]
+
+    # ------------------------------------------------------------------ completion
+
+    async def complete(self, uri: str, position: types.Position, on_text: Callable[[str], None] | None = None) -> str:
+        """Generated text for the cursor; a newer request for the same document supersedes this one
+        (which then answers "") unless it continues what this one is generating."""
+        doc = self.document(uri)
+        offset = self.offset_of(doc, position)
+        self.rate_limit.rate = self.settings.max_requests_per_second
+        if not self.rate_limit.allow():
+            self.core.metrics.record(RequestMetrics(outcome="rate_limited", uri=uri))
+            self.notify_user(
+                f"more than {self.settings.max_requests_per_second:g} completion requests per second from this "
+                "editor (maxRequestsPerSecond); the extra requests get empty answers",
+                types.MessageType.Warning,
+            )
+            return ""
+        if len(doc.text) > self.settings.max_document_bytes:
+            self.notify_user(f"{uri} is larger than maxDocumentBytes ({self.settings.max_document_bytes}); no completions", types.MessageType.Warning)
+            return ""
+        if not self.core.check_engine():
+            if self.core.engine_error:
+                self.notify_user(f"the engine is not available: {self.core.engine_error}")
+            return ""
+        result = await self.core.completer.complete(
+            (id(self), uri), doc, offset, self.settings, snippets=self.other_files(doc), on_text=on_text
+        )
+        if result.metrics.outcome == "error":
+            self.notify_user("the engine failed to generate; see the log", types.MessageType.Warning)
+        return result.text
