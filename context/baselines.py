@@ -16,7 +16,7 @@ from typing import Protocol
 
 from context.fim import FimTemplate, strip_control_tokens
 from context.postprocess import Mode, SyntaxCutter, plain_postprocess, plain_stop
-from context.prompt import Prompt, PromptBudget, TokenCounter, build_naive_prompt, build_prompt
+from context.prompt import Prompt, PromptBudget, PromptRequest, TokenCounter, anchored_prompt, naive_prompt
 from context.site import CompletionSite
 
 
@@ -63,7 +63,7 @@ class PlainCutter:
         return plain_postprocess(strip_control_tokens(self.raw), self.mode)
 
 
-PromptBuilder = Callable[..., Prompt]
+PromptBuilder = Callable[[PromptRequest], Prompt]
 CutterFactory = Callable[[CompletionSite, Prompt], Cutter]
 
 
@@ -86,7 +86,7 @@ class Strategy:
     heal: bool
 
     def prompt(self, site: CompletionSite, template: FimTemplate, counter: TokenCounter, budget: PromptBudget) -> Prompt:
-        return self.builder(
+        request = PromptRequest(
             site.text,
             site.offset,
             uri=site.uri,
@@ -98,13 +98,15 @@ class Strategy:
             budget=budget,
             snippets=site.snippets,
             heal=self.heal,
+            memo=site.memo,
         )
+        return self.builder(request)
 
     def cutter(self, site: CompletionSite, prompt: Prompt) -> Cutter:
         return self.make_cutter(site, prompt)
 
 
-PROMPT_BUILDERS: dict[str, PromptBuilder] = {"ast": build_prompt, "naive": build_naive_prompt}
+PROMPT_BUILDERS: dict[str, PromptBuilder] = {"ast": anchored_prompt, "naive": naive_prompt}
 POSTPROCESSING: dict[str, tuple[CutterFactory, bool]] = {"syntax": (syntax_cutter, True), "plain": (plain_cutter, False)}
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from tree_sitter import Tree
 
 from context.document import Document
+from context.memo import TextMemo
 from context.postprocess import Mode, completion_mode
 from context.prompt import Snippet
 
@@ -34,6 +35,7 @@ class CompletionSite:
     suffix: str  # up to AROUND_CHARS after the cursor
     mode: Mode  # one line or a block (context.postprocess.completion_mode)
     snippets: tuple[Snippet, ...] = ()  # cross-file context, in prompt order
+    memo: TextMemo | None = None  # what is derived from ``text`` and kept across keystrokes (Document.memo)
 
 
 def site_at(doc: Document, offset: int, snippets: tuple[Snippet, ...] = ()) -> CompletionSite:
@@ -44,4 +46,4 @@ def site_at(doc: Document, offset: int, snippets: tuple[Snippet, ...] = ()) -> C
     prefix = text[max(0, offset - AROUND_CHARS) : offset]
     suffix = text[offset : offset + AROUND_CHARS]
     mode = completion_mode(prefix, suffix, doc.language_id, tree=tree, cursor_byte=cursor_byte)
-    return CompletionSite(doc.uri, doc.language_id, text, offset, tree, cursor_byte, prefix, suffix, mode, snippets)
+    return CompletionSite(doc.uri, doc.language_id, text, offset, tree, cursor_byte, prefix, suffix, mode, snippets, doc.memo)
