@@ -111,6 +111,9 @@ PREFIX_SHARE = 1 / 2
 SUFFIX_SHARE = 1 / 8
 HEADER_SHARE = 1 / 16
 SNIPPET_SHARE = 1 / 8
+# Characters of cross-file text selected per snippet token: a little under code's usual ~3.5, so
+# that what is selected fits when rendered.
+SNIPPET_CHARS_PER_TOKEN = 880 / 256
 # Tokens the template adds around the parts (FIM markers, the path comment); budgets are estimates.
 TEMPLATE_RESERVE_TOKENS = 32
 MIN_PREFIX_TOKENS = 16
@@ -163,6 +166,12 @@ class PromptBudget:
             parts = {name: int(value * scale) for name, value in parts.items()}
         parts["prefix_tokens"] = max(MIN_PREFIX_TOKENS, parts["prefix_tokens"])
         return cls(**parts)
+
+    @property
+    def snippet_chars(self) -> int:
+        """How much cross-file text to select for the snippet block (880 characters for 256
+        tokens); the prompt then renders what fits ``snippet_tokens`` at the text's measured rate."""
+        return int(self.snippet_tokens * SNIPPET_CHARS_PER_TOKEN)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from lsp.engine_host import (
 )
 from lsp.protocol import EmberProtocol, UnknownDocument
 from lsp.session import (
-    SNIPPET_CHARS,
     SNIPPET_SOURCE_CHARS,
     EmberServer,
     RateLimit,
@@ -45,7 +44,6 @@ from lsp.session import (
 
 # Names other modules, tests and benchmarks import from here (their homes are the modules above).
 __all__ = [
-    "SNIPPET_CHARS",
     "SNIPPET_SOURCE_CHARS",
     "STATS_METHOD",
     "EmberCore",

@@ -22,13 +22,15 @@ from pygls.lsp.server import LanguageServer
 from context.document import Document, PositionError, utf16_position
 from context.prompt import Snippet, select_snippets
 from lsp import VERSION
+from lsp.completer import prompt_budget
 from lsp.engine_host import EmberCore, close_and_exit
 from lsp.metrics import RequestMetrics
 from lsp.protocol import EmberProtocol, UnknownDocument, stop_reading
 
 log = logging.getLogger(__name__)
 
-SNIPPET_CHARS = 880  # cross-file context: within the prompt builder's snippet budget (256 tokens)
+# The context size the snippet budget assumes before an engine says its own.
+DEFAULT_MAX_MODEL_LEN = 2048
 SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
 
 
@@ -159,11 +161,13 @@ class EmberServer(LanguageServer):
         stable order so that it stays in the engine's prefix cache."""
         if not self.settings.cross_file or len(self.documents) < 2:
             return ()
+        engine = self.core.engine
+        max_chars = prompt_budget(self.settings, engine.model.max_model_len if engine else DEFAULT_MAX_MODEL_LEN).snippet_chars
         others = tuple((uri, doc.version) for uri, doc in self.documents.items() if uri != current.uri)
-        key = (current.uri, others, import_lines(current.text))
+        key = (current.uri, others, import_lines(current.text), max_chars)
         if self._snippets[0] != key:
             texts = [(uri, self.documents[uri].text[:SNIPPET_SOURCE_CHARS]) for uri, _ in others]
-            self._snippets = (key, select_snippets(current.text, current.language_id, texts, SNIPPET_CHARS))
+            self._snippets = (key, select_snippets(current.text, current.language_id, texts, max_chars))
         return self._snippets[1]
 
     # ------------------------------------------------------------------ completion

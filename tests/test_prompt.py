@@ -847,3 +847,10 @@ def test_build_is_cheap_on_a_2000_line_file():
         times.append(time.perf_counter() - started)
     # ~0.5 ms here; the bound only catches a build that became linear in something it should not.
     assert statistics.median(times) < 0.02
+
+
+def test_cross_file_selection_follows_the_snippet_budget():
+    # 880 characters for the 256 tokens of a 2048-token context, as before; more with more context.
+    assert PromptBudget.for_model(2048, 48).snippet_chars == 880
+    assert PromptBudget.for_model(8192, 48).snippet_chars == 4 * 880
+    assert PromptBudget.for_model(2048, 48, snippet_tokens=64).snippet_chars == 220
