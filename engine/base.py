@@ -6,7 +6,7 @@ OpenAI-compatible client both implement it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -73,8 +73,8 @@ class Engine(Protocol):
 
     def stream(
         self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
-    ) -> AsyncIterator[Chunk]:
-        """Generate for ``prompt``; cancelling the consuming task or calling :meth:`abort` stops it.
+    ) -> AsyncGenerator[Chunk, None]:
+        """Generate for ``prompt``; cancelling the consuming task, ``aclose()`` or :meth:`abort` stops it.
 
         ``routing_key`` (the prompt's prefix key) lets an engine with several replicas send prompts
         that share a prefix to the replica that already holds its KV blocks."""

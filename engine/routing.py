@@ -99,10 +99,7 @@ def order(
     re-prefill; without a key, the least loaded first. Down replicas come last, in the same order,
     as a last resort when everything looks down (the probe may simply not have run yet).
     """
-    if routing_key is not None:
-        ranked = rank(routing_key, replicas)
-    else:
-        ranked = sorted(rank(tiebreak, replicas), key=load)
+    ranked = rank(routing_key, replicas) if routing_key is not None else sorted(rank(tiebreak, replicas), key=load)
     up = [r for r in ranked if r.up]
     down = [r for r in ranked if not r.up]
     calm = [r for r in up if not overloaded(r, policy)]

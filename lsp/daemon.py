@@ -88,7 +88,11 @@ class DaemonAddress:
 def engine_options(settings: Settings) -> dict[str, Any]:
     """The settings a daemon's engine is built from (camelCase, as ``merge_settings`` reads them).
     Editors whose engine options differ get different daemons; everything else is per connection."""
-    options: dict[str, Any] = {"model": settings.model, "engineUrl": list(settings.engine_url), "prefixCache": settings.prefix_cache}
+    options: dict[str, Any] = {
+        "model": settings.model,
+        "engineUrl": list(settings.engine_url),
+        "prefixCache": settings.prefix_cache,
+    }
     if settings.engine_url:
         options["timeoutMs"] = settings.timeout_ms  # the remote client's fail-over timeouts derive from it
     if settings.engine_args:
@@ -98,7 +102,9 @@ def engine_options(settings: Settings) -> dict[str, Any]:
 
 # Environment that changes which model an engine loads, or where: windows that differ in it get
 # daemons of their own (a daemon keeps the environment of the window that started it).
-ENGINE_ENVIRONMENT = ("EMBER_DEFAULT_MODEL", "HF_ENDPOINT", "HF_HOME", "HF_HUB_OFFLINE", "CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE")
+ENGINE_ENVIRONMENT = (
+    "EMBER_DEFAULT_MODEL", "HF_ENDPOINT", "HF_HOME", "HF_HUB_OFFLINE", "CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE"
+)
 
 
 def daemon_key(settings: Settings, version: str = VERSION) -> str:
@@ -176,7 +182,8 @@ def start_lock(address: DaemonAddress, timeout_s: float = START_TIMEOUT_S + 10) 
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise DaemonError(f"another ember has been starting the daemon for {timeout_s:.0f} s ({address.lock})")
+                    waited = f"another ember has been starting the daemon for {timeout_s:.0f} s ({address.lock})"
+                    raise DaemonError(waited) from None
                 time.sleep(0.05)
         yield
     finally:
@@ -256,7 +263,7 @@ async def ask_all(command: str) -> list[dict[str, Any]]:
     answers = []
     for address in daemon_sockets():
         try:
-            reader, writer, info = await open_daemon(address, command, key=ANY_KEY)
+            _reader, writer, info = await open_daemon(address, command, key=ANY_KEY)
             writer.close()
             answers.append({"socket": str(address.socket), **info})
         except DaemonError as exc:
@@ -366,7 +373,8 @@ class Daemon:
         if self._idle is not None:
             self._idle.cancel()
         try:
-            await serve_connection(self.core, reader, writer, token=None, peer=f"uid {os.getuid()} (connection {self.connections})")
+            peer = f"uid {os.getuid()} (connection {self.connections})"
+            await serve_connection(self.core, reader, writer, token=None, peer=peer)
         finally:
             self.clients -= 1
             if self.clients == 0:

@@ -105,7 +105,8 @@ class SessionState:
         if self.configuration is not None:
             messages.append(self.configuration)
         for uri, open_doc in self.documents.items():
-            item = {"uri": uri, "languageId": open_doc.language_id, "version": open_doc.document.version, "text": open_doc.document.text}
+            document = open_doc.document
+            item = {"uri": uri, "languageId": open_doc.language_id, "version": document.version, "text": document.text}
             messages.append({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": item}})
         return messages
 
@@ -125,7 +126,13 @@ class StdinReader:
 
 class Forwarder:
     def __init__(
-        self, cli_options: dict[str, Any], cli_settings: Settings, mode: str, argv: list[str], daemon_args: list[str], out: BinaryIO
+        self,
+        cli_options: dict[str, Any],
+        cli_settings: Settings,
+        mode: str,
+        argv: list[str],
+        daemon_args: list[str],
+        out: BinaryIO,
     ) -> None:
         self.cli_options = cli_options
         self.cli_settings = cli_settings
@@ -138,6 +145,8 @@ class Forwarder:
         self.daemon_requests: set[Any] = set()  # daemon requests the editor has not answered
         self.internal_ids = 0
         self.writer: asyncio.StreamWriter | None = None
+        # The daemon -> editor pump; held because the event loop keeps only weak references to tasks.
+        self.from_daemon_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
         self.held: list[bytes] = []  # editor requests that arrived while no daemon was connected
 
@@ -254,7 +263,7 @@ class Forwarder:
         log.info("forwarding to the ember daemon (pid %s) at %s", info.get("pid"), info.get("socket"))
         self.writer = writer
         self.connected.set()
-        asyncio.ensure_future(self._from_daemon(ResyncReader(reader)))
+        self.from_daemon_task = asyncio.ensure_future(self._from_daemon(ResyncReader(reader)))
 
     async def _from_daemon(self, stream: ResyncReader) -> None:
         try:
@@ -338,7 +347,7 @@ class Forwarder:
         self.writer = writer
         self.connected.set()
         log.info("reconnected to the ember daemon (pid %s); replayed %d documents", info.get("pid"), len(self.state.documents))
-        asyncio.ensure_future(self._from_daemon(stream))
+        self.from_daemon_task = asyncio.ensure_future(self._from_daemon(stream))
         await writer.drain()
 
     # ------------------------------------------------------------------ editor

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Awaitable, Protocol
+from collections.abc import Awaitable
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
