@@ -149,11 +149,8 @@ class PromptBudget:
             "header_tokens": int(max_model_len * HEADER_SHARE),
             "snippet_tokens": int(max_model_len * SNIPPET_SHARE),
         }
-        given = {
-            name: value
-            for name, value in (("prefix_tokens", prefix_tokens), ("suffix_tokens", suffix_tokens), ("snippet_tokens", snippet_tokens))
-            if value is not None
-        }
+        asked = (("prefix_tokens", prefix_tokens), ("suffix_tokens", suffix_tokens), ("snippet_tokens", snippet_tokens))
+        given = {name: value for name, value in asked if value is not None}
         room = max(MIN_PREFIX_TOKENS, max_model_len - max_tokens - TEMPLATE_RESERVE_TOKENS)
         free = {name: value for name, value in derived.items() if name not in given}
         left = room - sum(given.values())
@@ -282,7 +279,9 @@ def _assemble(parts: _Parts, uri: str, template: FimTemplate, snippets_head: str
     )
 
 
-def _long_line_start(text: str, line_start: int, offset: int, counter: TokenCounter, budget_tokens: int, cpt: float) -> tuple[int, int]:
+def _long_line_start(
+    text: str, line_start: int, offset: int, counter: TokenCounter, budget_tokens: int, cpt: float
+) -> tuple[int, int]:
     """Where the window starts when the cursor's line alone exceeds the budget (minified code, a
     file without line breaks): inside the line, at a quantized offset so that it still stays put
     while the user types. The one place where a line is cut."""

@@ -278,7 +278,8 @@ def _tree_definitions(text: str, language_id: str, parser: Parser) -> tuple[Defi
     result: list[Definition] = []
     data = text.encode("utf-8", "surrogatepass")
     for child in parser.parse(data).root_node.named_children:
-        if child.type in ("comment", "ERROR") or HEADER_STATEMENT.match(data[child.start_byte : child.start_byte + 200].decode("utf-8", "ignore")):
+        head = data[child.start_byte : child.start_byte + 200].decode("utf-8", "ignore")
+        if child.type in ("comment", "ERROR") or HEADER_STATEMENT.match(head):
             continue
         node = _unwrap(child)
         name = _name_of(node)

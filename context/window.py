@@ -14,6 +14,7 @@ import re
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
+from typing import Protocol
 
 from context.languages import CUT_CONTINUATION, bracket_depth, indent_columns
 from context.memo import TextMemo
@@ -24,12 +25,11 @@ except ImportError:  # pragma: no cover
     Node = Tree = object  # type: ignore[misc,assignment]
 
 
-class TokenCounter:
+class TokenCounter(Protocol):
     """Anything with ``count(text) -> int``: the engine's tokenizer is passed in (context never
     imports engine)."""
 
-    def count(self, text: str) -> int:  # pragma: no cover - protocol
-        raise NotImplementedError
+    def count(self, text: str) -> int: ...
 
 
 class ApproxCounter(TokenCounter):
@@ -377,7 +377,8 @@ def _read_header(text: str, starts: Sequence[int], scan: int, max_chars: int) ->
             depth += bracket_depth(line)
         row += 1
         # One blank line between neighbouring statements stays, as in the file.
-        begin = prev_end if prev_end >= 0 and first - prev_end == 1 and not text[starts[prev_end] : starts[first]].strip() else first
+        joined = prev_end >= 0 and first - prev_end == 1 and not text[starts[prev_end] : starts[first]].strip()
+        begin = prev_end if joined else first
         chunk = text[starts[begin] : starts[row]]
         if used + len(chunk) > max_chars:
             continue

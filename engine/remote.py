@@ -701,7 +701,9 @@ class RemoteEngine:
         return message
 
 
-async def fetch_metrics(url: str, client: httpx.AsyncClient | None = None, timeout: float = 5.0) -> list[Sample]:
+async def fetch_metrics(
+    url: str, client: httpx.AsyncClient | None = None, timeout: float = 5.0  # noqa: ASYNC109 - httpx's request timeout
+) -> list[Sample]:
     """The Prometheus samples of one server's /metrics ([] when it has none)."""
     base = normalize_url(url)
     async with contextlib.AsyncExitStack() as stack:

@@ -217,7 +217,7 @@ async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
                 + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
             )
             await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             pass
         finally:
             writer.close()

@@ -157,7 +157,7 @@ async def open_daemon(
         writer.write(f"{PROTOCOL} {VERSION} {key or address.key} {command}\n".encode())
         await writer.drain()
         answer = await asyncio.wait_for(reader.readline(), timeout_s)
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         writer.close()
         raise DaemonBusy(f"the daemon at {address.socket} did not answer within {timeout_s:.0f} s") from exc
     except OSError as exc:
@@ -333,7 +333,7 @@ class Daemon:
             return
         try:
             greeting = (await asyncio.wait_for(reader.readline(), HANDSHAKE_TIMEOUT_S)).decode("utf-8", "replace").split()
-        except (asyncio.TimeoutError, OSError):
+        except (TimeoutError, OSError):
             writer.close()
             return
         refusal = self._refusal(greeting)

@@ -7,6 +7,7 @@ No pygls here: the daemon and the TCP server build one core and many sessions on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -109,7 +110,8 @@ class EmberCore:
         """Start loading the model once; later calls return the same task."""
         if self._start_task is None:
             self._engine_settings = settings or self.settings
-            self.load_progress.set("loading" if self._engine_settings.engine_url else "resolving", model_label(self._engine_settings))
+            stage = "loading" if self._engine_settings.engine_url else "resolving"
+            self.load_progress.set(stage, model_label(self._engine_settings))
             self._start_task = asyncio.get_running_loop().create_task(self._start(self._engine_settings))
         return self._start_task
 
@@ -122,7 +124,7 @@ class EmberCore:
             self.engine_error = None
             notes = (remote_engine_args_note(settings), getattr(engine, "warning", None))
             self.engine_warning = "; ".join(note for note in notes if note) or None
-        except Exception as exc:  # the reason reaches the editor through progress and messages
+        except Exception as exc:  # noqa: BLE001 - the reason reaches the editor through progress and messages
             self.engine_error = str(exc)
             log.error("engine failed to start: %s", exc)
 
@@ -211,10 +213,8 @@ def kill_children() -> None:
     orphaned engine would hold gigabytes after the editor quit."""
     children = psutil.Process().children(recursive=True)
     for child in children:
-        try:
+        with contextlib.suppress(psutil.Error):
             child.kill()
-        except psutil.Error:
-            pass
     if children:
         log.info("killed %d leftover child processes", len(children))
         psutil.wait_procs(children, timeout=1.0)

@@ -233,5 +233,5 @@ async def serve_stream_messages(
     server: EmberServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, logger: logging.Logger
 ) -> None:
     """:func:`serve_messages` over a socket's streams (TCP, the daemon's Unix socket)."""
-    server.protocol.set_writer(writer)  # type: ignore[arg-type]
+    server.protocol.set_writer(writer)
     await serve_messages(server, reader, logger)

@@ -358,7 +358,8 @@ async def show_loading_progress(ls: EmberServer) -> None:
         if state == shown or waiting.done():
             continue
         if state.stage == "downloading" and download is not None:
-            ls.work_done_progress.report(download, types.WorkDoneProgressReport(message=state.describe(), percentage=state.percent()))
+            report = types.WorkDoneProgressReport(message=state.describe(), percentage=state.percent())
+            ls.work_done_progress.report(download, report)
         elif state.stage == "downloading" and shown.stage != "downloading":
             ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=f"downloading {state.model}"))
             download = await new_progress_token(ls, "ember-download")
@@ -383,7 +384,7 @@ async def new_progress_token(ls: EmberServer, prefix: str) -> str | None:
     token = f"{prefix}-{uuid.uuid4().hex[:8]}"
     try:
         await ls.work_done_progress.create_async(token)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any refusal by the client means no progress, not an error
         log.debug("client refused progress token: %s", exc)
         return None
     return token

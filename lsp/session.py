@@ -34,10 +34,15 @@ DEFAULT_MAX_MODEL_LEN = 2048
 SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
 
 
+IMPORT_STARTS = ("import ", "from ", "#include", "use ", "require(")
+
+
 def import_lines(text: str) -> str:
     """The lines that decide which other files matter; the cross-file choice is redone only when
     they (or the other files) change, not on every keystroke."""
-    return "\n".join(line for line in text[:20_000].splitlines() if line.lstrip().startswith(("import ", "from ", "#include", "use ", "require(")) or " require(" in line)
+    return "\n".join(
+        line for line in text[:20_000].splitlines() if line.lstrip().startswith(IMPORT_STARTS) or " require(" in line
+    )
 
 
 @dataclass
@@ -77,6 +82,7 @@ class EmberServer(LanguageServer):
         self.authorized = token is None
         self._warmups: dict[str, asyncio.Task[Any]] = {}
         self._snippets: tuple[Any, tuple[Snippet, ...]] = (None, ())
+        self.exit_task: asyncio.Task[None] | None = None
         self._messages_shown: set[str] = set()
 
     def cancel_work(self) -> None:
@@ -106,7 +112,7 @@ class EmberServer(LanguageServer):
             # Not on_exit(): stopping the reader would end serve_stdio, whose own close_and_exit(0)
             # would race this one (LSP: exit code 1 without a shutdown before it).
             self.cancel_work()
-            asyncio.ensure_future(close_and_exit(self.core, 0 if clean else 1))
+            self.exit_task = asyncio.ensure_future(close_and_exit(self.core, 0 if clean else 1))  # the loop holds tasks weakly
         else:
             self.on_exit()
             if self.protocol.writer is not None:
@@ -187,7 +193,8 @@ class EmberServer(LanguageServer):
             )
             return ""
         if len(doc.text) > self.settings.max_document_bytes:
-            self.notify_user(f"{uri} is larger than maxDocumentBytes ({self.settings.max_document_bytes}); no completions", types.MessageType.Warning)
+            too_large = f"{uri} is larger than maxDocumentBytes ({self.settings.max_document_bytes}); no completions"
+            self.notify_user(too_large, types.MessageType.Warning)
             return ""
         if not self.core.check_engine():
             if self.core.engine_error:
