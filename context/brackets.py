@@ -8,11 +8,9 @@ comments), and :func:`error_count` the tree-sitter ERROR/MISSING count behind th
 
 from __future__ import annotations
 
-import re
-
 from tree_sitter import Node
 
-from context.languages import parser_for
+from context.languages import LanguageInfo, parser_for
 from context.surroundings import Surroundings, is_closer_line, leading_space, parse_window
 
 CLOSERS = ")]}"
@@ -24,36 +22,15 @@ _OPENERS = "([{"
 _PAIR = {")": "(", "]": "[", "}": "{"}
 
 
-# Multi-line string and comment delimiters, and what to skip while looking for them.
-PY_TOKENS = re.compile(r'"""|\'\'\'|#|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
-
-
-C_TOKENS = re.compile(r'/\*|\*/|//|`|"(?:\\.|[^"\\\n])*"')
-
-
-BLOCK_OPENERS = ('"""', "'''", "/*")
-
-
-BACKTICK_STRINGS = frozenset({"javascript", "javascriptreact", "typescript", "typescriptreact", "go"})
-
-
-def _string_openers(lang: str) -> str:
-    # In Rust `'a` is a lifetime as often as a char; in Python/others `'` opens strings.
-    return "\"`" if lang == "rust" else "\"'`"
-
-
-def _comment_start(lang: str) -> tuple[str, ...]:
-    return ("#",) if lang == "python" else ("//",)
-
-
-def scan_brackets(text: str, lang: str, in_string: str | None = None) -> tuple[list[int], list[str], str | None]:
+def scan_brackets(text: str, info: LanguageInfo, in_string: str | None = None) -> tuple[list[int], list[str], str | None]:
     """A rough lexer: (offsets of closers/quotes in ``text`` that close something opened before
-    it, openers still unclosed at the end, the quote still open at the end). Strings end at a
-    line break except template strings; comments run to the end of the line."""
+    it, openers still unclosed at the end, the quote still open at the end). Strings (opened by
+    ``info.quotes``) end at a line break except template strings; comments (``info.scan_line_comment``)
+    run to the end of the line."""
     unmatched: list[int] = []
     stack: list[str] = []
-    quotes = _string_openers(lang)
-    comments = _comment_start(lang)
+    quotes = info.quotes
+    comment = info.scan_line_comment
     quote = in_string
     quote_from_before = in_string is not None
     i = 0
@@ -76,7 +53,7 @@ def scan_brackets(text: str, lang: str, in_string: str | None = None) -> tuple[l
             continue
         if ch in quotes:
             quote = ch
-        elif any(text.startswith(c, i) for c in comments):
+        elif text.startswith(comment, i):
             nl = text.find("\n", i)
             i = n if nl < 0 else nl
             continue
@@ -113,8 +90,8 @@ def _suffix_head(suffix: str, same_line: bool) -> str:
 def balance(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str = "") -> str:
     """``text`` cut before a closer that the suffix already has, when that helps (see
     :func:`postprocess`, step 6). ``joiner`` is what will follow the text before the suffix."""
-    _, _, quote_at_cursor = scan_brackets(site.before, site.lang)
-    unmatched, _, _ = scan_brackets(text, site.lang, quote_at_cursor)
+    _, _, quote_at_cursor = scan_brackets(site.before, site.info)
+    unmatched, _, _ = scan_brackets(text, site.info, quote_at_cursor)
     if not unmatched:
         return text
     has_grammar = parser_for(site.lang) is not None
@@ -134,7 +111,7 @@ def balance(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str
     if not has_grammar:
         # Count on the cursor's line: openers left open before the cursor must be closed exactly
         # once, by the completion's closers or the suffix's.
-        _, open_before, _ = scan_brackets(site.before, site.lang)
+        _, open_before, _ = scan_brackets(site.before, site.info)
         closing_in_head = sum(1 for c in head if c in CLOSERS)
         if quote_at_cursor is not None and head[0] == quote_at_cursor:
             return text[: cuts[0]].rstrip(" \t")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from context.brackets import BACKTICK_STRINGS, BLOCK_OPENERS, C_TOKENS, PY_TOKENS
+from context.languages import LanguageInfo
 from context.surroundings import Mode, Surroundings, completeness
 
 # A markdown fence: instruct models close their answer with one and write prose after it.
@@ -24,12 +24,6 @@ _PROSE = re.compile(r"^[A-Z][a-z]+(?:'[a-z]+)?,?(?:[ \t]+[\w'`\"(),.:!?/-]+){3,}
 _PROSE_START = re.compile(
     r"^(?:Here(?:'s| is| are)\b|(?:This|The) (?:code|function|program|implementation|solution|example|output)\b"
     r"|(?:Explanation|Example usage|Usage|Output|Note|Notes)\s*:)"
-)
-
-
-# Languages whose text is prose: chat-text detection would cut their real content.
-_TEXT_LANGUAGES = frozenset(
-    {"markdown", "plaintext", "text", "latex", "tex", "restructuredtext", "asciidoc", "org", "html", "xml", "yaml"}
 )
 
 
@@ -48,10 +42,10 @@ def chat_start(lines: list[str], site: Surroundings, mode: Mode, final: bool) ->
 
     Line 0 is only judged when it is a whole line of code (``multi``; in ``single`` on a blank
     line the cursor sits in a string or comment, where a fence is text)."""
-    if site.lang in _TEXT_LANGUAGES:
+    if site.info.prose:
         return None  # fences and sentences are the content of markdown and plain text
     complete = completeness(len(lines), final)
-    state = _open_block(site.before, site.lang, None)
+    state = _open_block(site.before, site.info, None)
     for i, line in enumerate(lines):
         if not complete(i):
             return None
@@ -61,31 +55,32 @@ def chat_start(lines: list[str], site: Surroundings, mode: Mode, final: bool) ->
                 return i
             if i > 0 and not lines[i - 1].strip() and _looks_like_prose(line):
                 return i
-        state = _open_block(line, site.lang, state)
+        state = _open_block(line, site.info, state)
     return None
 
 
-def _open_block(line: str, lang: str, state: str | None) -> str | None:
-    """The multi-line string or comment still open after ``line`` (a triple quote, a template
-    string's backtick, ``/*``), given the one open before it. A rough lexer: one-line strings
-    and line comments are skipped so that their quotes do not count."""
-    tokens = PY_TOKENS if lang == "python" else C_TOKENS
+def _open_block(line: str, info: LanguageInfo, state: str | None) -> str | None:
+    """The multi-line string or comment still open after ``line`` (one of ``info.multiline_openers``:
+    a triple quote, a template string's backtick, ``/*``), given the one open before it. A rough
+    lexer: one-line strings and line comments are skipped so that their quotes do not count."""
     pos = 0
     while pos < len(line):
         if state is not None:
-            close = "*/" if state == "/*" else state
+            close = info.multiline_closer(state)
             end = line.find(close, pos)
             if end < 0:
                 return state
             state, pos = None, end + len(close)
             continue
-        m = tokens.search(line, pos)
+        m = info.multiline_tokens.search(line, pos)
         if m is None:
             return None
         token = m.group(0)
+        # Either lexer's line comment (each finds only its own). Not info.line_comment: Ruby and
+        # shell scripts are read with the C-like lexer, whose `//` has always ended the scan there.
         if token in ("#", "//"):
             return None
-        if token in BLOCK_OPENERS or (token == "`" and lang in BACKTICK_STRINGS):
+        if token in info.multiline_openers:
             state = token
         pos = m.end()
     return state

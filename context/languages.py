@@ -147,6 +147,11 @@ class LanguageInfo:
     family: str
     # Starts a comment to the end of the line; also the marker of snippet path headers.
     line_comment: str = "//"
+    # The line comment that post-processing's rough bracket scan skips (context.brackets). Not
+    # ``line_comment``: it reproduces the scan's values exactly, ``#`` for Python and ``//`` for
+    # every other language, Ruby and shell scripts included (whose multi-line lexer is the C-like
+    # one too); moving them to ``#`` would change which of their brackets count.
+    scan_line_comment: str = "//"
     block_comment: tuple[str, str] | None = ("/*", "*/")
     # Characters the rough bracket scan takes for one-line string quotes: a backtick everywhere
     # (a stray one is rare, a template string common); in Rust ``'a`` is a lifetime as often as a
@@ -177,6 +182,7 @@ class LanguageInfo:
 _PYTHON = LanguageInfo(
     "python",
     line_comment="#",
+    scan_line_comment="#",
     block_comment=None,
     quotes="\"'`",
     multiline_openers=('"""', "'''"),
@@ -202,7 +208,9 @@ _LANGUAGES: dict[str, LanguageInfo] = {
     "shellscript": LanguageInfo("shellscript", line_comment="#"),
     **{
         name: LanguageInfo(name, prose=True)
-        for name in ("markdown", "plaintext", "text", "latex", "tex", "restructuredtext", "asciidoc", "org", "html", "xml", "yaml")
+        for name in (
+            "markdown", "plaintext", "text", "latex", "tex", "restructuredtext", "asciidoc", "org", "html", "xml", "yaml"
+        )
     },
 }
 

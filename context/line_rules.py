@@ -15,12 +15,11 @@ from dataclasses import dataclass
 
 from context.brackets import CLOSERS, scan_brackets
 from context.chat import chat_start
+from context.languages import TAB_WIDTH, indent_columns
 from context.surroundings import (
-    TAB,
     Mode,
     Surroundings,
     completeness,
-    indent_width,
     is_closer_line,
     is_comment,
     leading_space,
@@ -31,24 +30,6 @@ from context.surroundings import (
 
 # Single mode follows brackets opened on its line through at most this many more lines.
 _SINGLE_SPAN = 16
-
-
-# Lines that continue a statement whose block has just been closed: not a new statement.
-_CONTINUATION = re.compile(r"^(?:[)\]}]|else\b|elif\b|except\b|finally\b|catch\b|while\b.*[;)]\s*$)")
-
-
-# A branch that continues a compound statement (``else:``, ``} else {``, ``except E:``, ``} catch (e) {``).
-_BRANCH = re.compile(r"^(?:\}\s*)?(else|elif|except|finally|catch)\b")
-
-
-# For each branch keyword, the headers whose statement it may continue (after an optional `} `).
-_BRANCH_OF = {
-    "else": re.compile(r"^(?:\}\s*)?(?:if|elif|else\s+if|for|while|try|except)\b"),
-    "elif": re.compile(r"^(?:if|elif)\b"),
-    "except": re.compile(r"^(?:try|except)\b"),
-    "finally": re.compile(r"^(?:\}\s*)?(?:try|except|catch)\b"),
-    "catch": re.compile(r"^(?:\}\s*)?(?:try|catch)\b"),
-}
 
 
 # Generation loops: a group of this many lines or fewer, repeated this many times in a row.
@@ -85,9 +66,9 @@ def _convert_indent(line: str, site: Surroundings) -> str:
         return line
     if site.indent_char == "\t" and "\t" not in lead:
         width = len(lead)
-        return "\t" * (width // TAB) + " " * (width % TAB) + line[len(lead) :]
+        return "\t" * (width // TAB_WIDTH) + " " * (width % TAB_WIDTH) + line[len(lead) :]
     if site.indent_char == " " and "\t" in lead:
-        width = indent_width(lead)
+        width = indent_columns(lead)
         return " " * width + line[len(lead) :]
     return line
 
@@ -150,7 +131,7 @@ def _align(lines: list[str], site: Surroundings, mode: Mode, healed: str) -> tup
     if k is None:
         return 0, lines, False  # no code yet: nothing to align
     col = site.column
-    if indent_width(lines[k]) < col:
+    if indent_columns(lines[k]) < col:
         if mode == "multi":
             return None
         return k, [lines[k].lstrip(" \t")] + lines[k + 1 :], True
@@ -171,7 +152,7 @@ def _drop_columns(line: str, col: int) -> str:
     leaves the rest as spaces)."""
     width = i = 0
     while i < len(line) and line[i] in " \t" and width < col:
-        width = width + 1 if line[i] == " " else width + TAB - width % TAB
+        width = width + 1 if line[i] == " " else width + TAB_WIDTH - width % TAB_WIDTH
         i += 1
     return " " * max(0, width - col) + line[i:]
 
@@ -196,45 +177,54 @@ def _fix_indentation(lines: list[str], site: Surroundings, mode: Mode, absolute:
     # The model repeated the whitespace already before the cursor. A deeper first line is only
     # right when the editor left the cursor at the level of a block header above it.
     if col > 0 and leading_space(out[0]):
-        header_level = opens_block(site.prev_line) and col <= indent_width(site.prev_line)
+        header_level = opens_block(site.prev_line, site.info) and col <= indent_columns(site.prev_line)
         if not header_level:
             out[0] = out[0].lstrip(" \t")
 
     # Lines after the first written as if the first one were at column 0 (models without FIM
     # training, chat models): a block header followed by a line indented at most to the cursor,
     # or a plain line followed, without a blank line, by a line at column 0 that neither closes
-    # nor continues a block: in brace languages a real dedent would come after a `}`, in Python
-    # code inside a def/class does not jump to column 0 without a blank line (a script's loop
-    # body may, so there it counts only inside a definition). A line that repeats the next line
-    # of the suffix is taken as written: the model is echoing it.
+    # nor continues a block: in brace languages a real dedent would come after a `}`; where
+    # indentation is significant (Python), code inside a def/class does not jump to column 0
+    # without a blank line (a script's loop body may, so there it counts only inside a
+    # definition). A line that repeats the next line of the suffix is taken as written: the
+    # model is echoing it.
     if col > 0 and not absolute and not leading_space(out[0]) and rest:
         second = out[rest[0]]
-        width2 = indent_width(second)
+        width2 = indent_columns(second)
         echoes = bool(site.next_lines) and same_line(second, site.next_lines[0])
         plain = (
-            (site.lang != "python" or any(_DEFINITION.match(a) for a in site.ancestors))
+            (not site.info.indentation_significant or any(_DEFINITION.match(a) for a in site.ancestors))
             and width2 == 0
             and rest[0] == 1
-            and not _CONTINUATION.match(second.strip())
+            and not site.info.statement_continuation.match(second.strip())
             and not is_closer_line(second.strip())
             and not is_comment(second.strip())  # commented-out code often sits at column 0
         )
-        relative = not echoes and ((opens_block(out[0]) and 0 < width2 <= col) or plain or _closes_at_zero(out, site))
+        relative = not echoes and (
+            (opens_block(out[0], site.info) and 0 < width2 <= col) or plain or _closes_at_zero(out, site)
+        )
         if relative:
             indent = leading_space(site.before)
             out = [out[0]] + [_shift(line, indent) for line in out[1:]]
 
-    # In Python an empty block body must be indented deeper than its header (an editor without
-    # smart indent leaves the cursor at the header's column, a model may follow it). Brace
-    # languages do not care, and real code there often keeps a body at its header's column.
-    if site.lang == "python" and site.empty_body:
-        header = indent_width(site.prev_line)
-        first_width = col + indent_width(out[0])
-        if first_width <= header:
-            missing = header + (TAB if site.indent_char == "\t" else site.indent_unit) - first_width
-            pad = "\t" * -(-missing // TAB) if site.indent_char == "\t" else " " * missing
-            out = [pad + out[0]] + [_shift(line, pad) for line in out[1:]]
+    if site.info.indentation_significant and site.empty_body:
+        out = _indent_empty_body(out, site)
     return _rescale_levels(out, site)
+
+
+def _indent_empty_body(out: list[str], site: Surroundings) -> list[str]:
+    """Where indentation is significant (Python) an empty block body must be indented deeper than
+    its header (an editor without smart indent leaves the cursor at the header's column, a model
+    may follow it): lines not deeper are shifted one level in. Brace languages do not care, and
+    real code there often keeps a body at its header's column."""
+    header = indent_columns(site.prev_line)
+    first_width = site.column + indent_columns(out[0])
+    if first_width > header:
+        return out
+    missing = header + (TAB_WIDTH if site.indent_char == "\t" else site.indent_unit) - first_width
+    pad = "\t" * -(-missing // TAB_WIDTH) if site.indent_char == "\t" else " " * missing
+    return [pad + out[0]] + [_shift(line, pad) for line in out[1:]]
 
 
 def _closes_at_zero(out: list[str], site: Surroundings) -> bool:
@@ -242,16 +232,16 @@ def _closes_at_zero(out: list[str], site: Surroundings) -> bool:
     cursor's column, that closer would sit at the column of its opening line; at column 0, the
     model wrote the lines as if the first one were at column 0 (even when the body's depth,
     4 columns in a 2-space file, exceeds the cursor's column and looks absolute)."""
-    depth = len(scan_brackets(out[0], site.lang)[1])
+    depth = len(scan_brackets(out[0], site.info)[1])
     if depth == 0:
         return False
     for line in out[1:]:
         stripped = line.strip()
         if not stripped or is_comment(stripped):
             continue
-        if indent_width(line) == 0:
+        if indent_columns(line) == 0:
             return stripped[0] in CLOSERS
-        closed, opened, _ = scan_brackets(line, site.lang)
+        closed, opened, _ = scan_brackets(line, site.info)
         depth += len(opened) - sum(1 for p in closed if line[p] in CLOSERS)
         if depth <= 0:
             return False  # closed at its own column: absolute after all
@@ -271,10 +261,10 @@ def _rescale_levels(out: list[str], site: Surroundings) -> list[str]:
     if len(out) < 2 or not site.unit_known or site.indent_char is None or unit not in (2, 4):
         return out
     header = site.enclosing(site.column)
-    if header is None or site.column - indent_width(header) != unit:
+    if header is None or site.column - indent_columns(header) != unit:
         return out
-    base = site.column + indent_width(out[0])  # multi mode on a blank line: see the caller
-    deltas = [indent_width(line) - base for line in out[1:] if line.strip()]
+    base = site.column + indent_columns(out[0])  # multi mode on a blank line: see the caller
+    deltas = [indent_columns(line) - base for line in out[1:] if line.strip()]
     deeper = [d for d in deltas if d > 0]
     if not deeper:
         return out
@@ -283,11 +273,11 @@ def _rescale_levels(out: list[str], site: Surroundings) -> list[str]:
         return out
 
     def rescale(line: str) -> str:
-        width = indent_width(line)
+        width = indent_columns(line)
         if not line.strip() or width <= base:
             return line
         new = base + (width - base) // step * unit
-        lead = "\t" * (new // TAB) + " " * (new % TAB) if site.indent_char == "\t" else " " * new
+        lead = "\t" * (new // TAB_WIDTH) + " " * (new % TAB_WIDTH) if site.indent_char == "\t" else " " * new
         return lead + line.lstrip(" \t")
 
     return [out[0]] + [rescale(line) for line in out[1:]]
@@ -347,8 +337,8 @@ def _multi_keep(lines: list[str], site: Surroundings, final: bool) -> int | None
     nxt = site.next_lines[0] if site.next_lines else None
     if nxt is not None and (first > 0 or site.blank_before) and same_line(full(first), nxt):
         return first
-    base = indent_width(full(first)) if (first > 0 or site.blank_before) else indent_width(site.before)
-    definition = opens_block(lines[first]) and _definition_level(full(first), base, site)
+    base = indent_columns(full(first)) if (first > 0 or site.blank_before) else indent_columns(site.before)
+    definition = opens_block(lines[first], site.info) and _definition_level(full(first), base, site)
     deeper = closed = False
     for i in range(first + 1, n):
         line = lines[i]
@@ -359,7 +349,7 @@ def _multi_keep(lines: list[str], site: Surroundings, final: bool) -> int | None
             return None
         if nxt is not None and same_line(line, nxt):
             return _before_comments(lines, i, first, base)
-        width = indent_width(line)
+        width = indent_columns(line)
         if is_comment(stripped):
             continue  # comments (often at column 0) end no block; the next code line decides
         closer = is_closer_line(stripped)
@@ -377,33 +367,33 @@ def _multi_keep(lines: list[str], site: Surroundings, final: bool) -> int | None
             return _before_comments(lines, i, first, base)
         if width > base:
             deeper = True
-        elif definition and deeper and not closer and not _CONTINUATION.match(stripped):
+        elif definition and deeper and not closer and not site.info.statement_continuation.match(stripped):
             return _before_comments(lines, i, first, base)
     return n if final else None
 
 
 def _outer_definition(lines: list[str], site: Surroundings, complete: Callable[[int], bool]) -> bool | None:
-    """Python: does the completion start a definition of its own at column 0 (a ``def`` or
+    """Where indentation is significant (Python): does the completion start a definition of its own at column 0 (a ``def`` or
     ``class`` with a body) while the code after the cursor goes on indented? The cursor is then
     inside that indented block (an empty line at column 0 in a function body), and the model
     left it: the new definition would swallow the rest of the block. ``None``: undecided yet.
 
     A definition whose body is the suffix (the model wrote only the header) is not affected,
     and neither is a nested helper (not at column 0)."""
-    if site.lang != "python" or not site.blank_before or not site.next_lines or site.column > 0:
+    if not site.info.indentation_significant or not site.blank_before or not site.next_lines or site.column > 0:
         return False
-    if indent_width(site.next_lines[0]) == 0:
+    if indent_columns(site.next_lines[0]) == 0:
         return False
     code = (i for i, line in enumerate(lines) if line.strip() and not is_comment(line.strip()))
     head = next(code, None)
     if head is None or not complete(head):
         return False if head is None else None
-    if indent_width(lines[head]) > 0 or not _DEFINITION.match(lines[head]):
+    if indent_columns(lines[head]) > 0 or not _DEFINITION.match(lines[head]):
         return False
     body = next(code, None)
     if body is None or not complete(body):
         return None if body is not None or not complete(len(lines) - 1) else False
-    return indent_width(lines[body]) > 0
+    return indent_columns(lines[body]) > 0
 
 
 def _continues_statement(stripped: str, width: int, base: int, site: Surroundings) -> bool:
@@ -412,18 +402,19 @@ def _continues_statement(stripped: str, width: int, base: int, site: Surrounding
     ``} catch (e) {``)? Only when the block's header above the cursor sits at that column and
     is one the branch can follow, and the suffix does not go on with that block or with a
     branch of its own (a second ``else`` would be a syntax error)."""
-    m = _BRANCH.match(stripped)
+    branch = site.info.branch
+    m = branch.match(stripped)
     if m is None:
         return False
     header = site.enclosing(base)
-    if header is None or indent_width(header) != width or not _BRANCH_OF[m.group(1)].match(header.strip()):
+    if header is None or indent_columns(header) != width or not site.info.branch_headers[m.group(1)].match(header.strip()):
         return False
     nxt = site.next_lines
-    if nxt and indent_width(nxt[0]) > width:
+    if nxt and indent_columns(nxt[0]) > width:
         return False  # more of the block follows the cursor: a branch would split it
     # Past the block's closer (`}` the editor added), the suffix's own branch would follow.
     ahead = nxt[:2] if nxt and is_closer_line(nxt[0].strip()) else nxt[:1]
-    return not any(_BRANCH.match(line.strip()) for line in ahead)
+    return not any(branch.match(line.strip()) for line in ahead)
 
 
 def empty_pair(site: Surroundings) -> bool:
@@ -440,7 +431,7 @@ def _pair_end(lines: list[str], site: Surroundings, complete: Callable[[int], bo
     """Lines to keep when the model answers ``{|}`` with a line break and a block: the lines
     indented deeper than the cursor's line; the first line back at its column (the model's
     copy of the closer, or code after the pair) ends the block. Nothing deeper: nothing."""
-    header = indent_width(site.before)
+    header = indent_columns(site.before)
     body = False
     for i in range(1, len(lines)):
         stripped = lines[i].strip()
@@ -448,7 +439,7 @@ def _pair_end(lines: list[str], site: Surroundings, complete: Callable[[int], bo
             continue
         if not complete(i):
             return None
-        if indent_width(lines[i]) <= header:
+        if indent_columns(lines[i]) <= header:
             return i if body else 0
         body = True
     if not complete(len(lines) - 1):
@@ -475,7 +466,7 @@ def _before_comments(lines: list[str], stop: int, first: int, base: int) -> int:
     next definition); comments at the block's depth stay with it."""
     while stop - 1 > first:
         above = lines[stop - 1]
-        if above.strip() and not (is_comment(above.strip()) and indent_width(above) < base):
+        if above.strip() and not (is_comment(above.strip()) and indent_columns(above) < base):
             break
         stop -= 1
     return stop
@@ -486,15 +477,15 @@ def _single_end(lines: list[str], j: int, site: Surroundings, complete: Callable
     when it leaves brackets open (``np.array([``, ``th([]() {``), through the line that closes
     them, so that one line does not leave the code broken. Brackets still open after
     ``_SINGLE_SPAN`` lines fall back to the first line alone."""
-    quote = scan_brackets(site.before, site.lang)[2] if j == 0 else None
-    closed, opened, _ = scan_brackets(lines[j], site.lang, quote)
+    quote = scan_brackets(site.before, site.info)[2] if j == 0 else None
+    closed, opened, _ = scan_brackets(lines[j], site.info, quote)
     depth = len(opened) - sum(1 for p in closed if lines[j][p] in CLOSERS)
     if depth <= 0:
         return j + 1
     for i in range(j + 1, min(len(lines), j + 1 + _SINGLE_SPAN)):
         if not complete(i):
             return None
-        closed, opened, _ = scan_brackets(lines[i], site.lang)
+        closed, opened, _ = scan_brackets(lines[i], site.info)
         depth += len(opened) - sum(1 for p in closed if lines[i][p] in CLOSERS)
         if depth <= 0:
             return i + 1

@@ -20,7 +20,8 @@ error. ``find_stop`` and ``postprocess`` never raise: garbage in gives ``None`` 
 
 Shared conventions:
 
-* Indentation widths count a tab as 4 columns, consistently on both sides of every comparison.
+* Indentation widths count a tab as 4 columns (``context.languages.indent_columns``), consistently
+  on both sides of every comparison.
 * Line breaks may be ``\\r\\n``; analysis ignores the ``\\r`` and :func:`postprocess` writes the
   document's own line break.
 * A "closer line" holds only closing brackets (``}``, ``)``, ``]``) plus ``;`` / ``,``, or ``end``.
@@ -35,7 +36,7 @@ from tree_sitter import Tree
 
 from context.brackets import CLOSERS, balance, error_count, parsing_lines, scan_brackets, trim_overlap
 from context.fim import strip_control_tokens
-from context.languages import normalize_language_id
+from context.languages import LanguageInfo, normalize_language_id
 from context.line_rules import empty_pair, keep_lines, prepare_lines
 from context.surroundings import (
     Mode,
@@ -405,7 +406,15 @@ def _special_span(text: str) -> tuple[int, int]:
 
 
 def _postprocess(
-    generated: str, site: Surroundings, prefix: str, suffix: str, mode: Mode, *, truncated: bool, healed: str, partial: bool = False
+    generated: str,
+    site: Surroundings,
+    prefix: str,
+    suffix: str,
+    mode: Mode,
+    *,
+    truncated: bool,
+    healed: str,
+    partial: bool = False,
 ) -> str:
     lines = _final_lines(generated, site, mode, truncated, healed)
     if not lines:
@@ -457,24 +466,25 @@ def _whole_statements(lines: list[str], site: Surroundings) -> list[str]:
     or string it opened left open, not a block header waiting for its body (``if x:``,
     ``return self.send(``). Without such a line, the first line alone (as when the limit cuts
     the first line itself: the start of a statement beats nothing)."""
-    _, _, quote_at_cursor = scan_brackets(site.before, site.lang)
+    _, _, quote_at_cursor = scan_brackets(site.before, site.info)
     for k in range(len(lines), 0, -1):
         last = lines[k - 1].rstrip()
-        if not last.strip() or (site.lang == "python" and last.endswith(":")):
+        if not last.strip() or (site.info.indentation_significant and last.endswith(":")):
             continue
         kept = "\n".join(lines[:k])
-        _, still_open, quote = scan_brackets(kept, site.lang, quote_at_cursor)
-        if not still_open and quote is None and not _open_block_string(kept, site.lang):
+        _, still_open, quote = scan_brackets(kept, site.info, quote_at_cursor)
+        if not still_open and quote is None and not _open_block_string(kept, site.info):
             return lines[:k]
     return lines[:1]
 
 
-def _open_block_string(text: str, lang: str) -> bool:
+def _open_block_string(text: str, info: LanguageInfo) -> bool:
     """Does ``text`` (starting outside any string, as multi mode does) end inside a docstring or
     a ``/* */`` comment, which :func:`scan_brackets` does not follow across lines?"""
-    if lang == "python":
-        return text.count('"""') % 2 == 1 or text.count("'''") % 2 == 1
-    return text.rfind("/*") > text.rfind("*/")
+    if info.block_comment is None:  # Python: what spans lines are its triple-quoted strings
+        return any(text.count(opener) % 2 == 1 for opener in info.multiline_openers)
+    opener, closer = info.block_comment
+    return text.rfind(opener) > text.rfind(closer)
 
 
 def _joiner(text: str, site: Surroundings, mode: Mode) -> str:
@@ -484,7 +494,7 @@ def _joiner(text: str, site: Surroundings, mode: Mode) -> str:
     if not site.after.strip():
         return ""
     if mode == "multi" and site.blank_before:
-        if site.after.strip()[0] in CLOSERS and opens_block(site.prev_line):
+        if site.after.strip()[0] in CLOSERS and opens_block(site.prev_line, site.info):
             return "\n" + leading_space(site.prev_line)
         return "\n" + site.before
     if mode == "single" and text.startswith("\n") and empty_pair(site):

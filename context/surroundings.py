@@ -1,10 +1,11 @@
 """What the text around the cursor says, summarised once per completion for post-processing.
 
 :class:`Surroundings` (the cursor's line, the lines above and below, the document's indentation
-style and line break) is what every rule in context.line_rules and context.brackets reads;
-:func:`surroundings_of` builds it from the windows around the cursor. Also here: the line helpers
-those rules share (indentation width in columns, closer lines, comments) and the string/comment
-test behind :func:`context.postprocess.completion_mode`.
+style and line break, the language's :class:`~context.languages.LanguageInfo`) is what every
+rule in context.line_rules and context.brackets reads; :func:`surroundings_of` builds it from the
+windows around the cursor. Also here: the line helpers those rules share (closer lines, comments,
+block openers) and the string/comment test behind :func:`context.postprocess.completion_mode`.
+Indentation is counted in columns by :func:`context.languages.indent_columns`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from typing import Literal
 
 from tree_sitter import Node, Tree
 
-from context.languages import parser_for
+from context.languages import TAB_WIDTH, LanguageInfo, indent_columns, language_info, parser_for
 
 Mode = Literal["single", "multi"]
-
-
-TAB = 4
 
 
 # Only the ends of the document matter for the decisions here, and find_stop runs per streamed
@@ -55,6 +53,7 @@ class Surroundings:
     """The cursor's surroundings, summarised once per (prefix, suffix, language)."""
 
     lang: str
+    info: LanguageInfo  # the lexical facts of ``lang``, looked up once
     before: str  # the cursor's line up to the cursor
     after: str  # the cursor's line from the cursor to its end, without the line break
     prev_line: str  # the last non-blank line above the cursor's line, "" when none
@@ -67,7 +66,7 @@ class Surroundings:
 
     def enclosing(self, width: int) -> str | None:
         """The nearest line above the cursor indented less than ``width`` (a block's header)."""
-        return next((a for a in self.ancestors if indent_width(a) < width), None)
+        return next((a for a in self.ancestors if indent_columns(a) < width), None)
 
     @property
     def blank_before(self) -> bool:
@@ -75,14 +74,14 @@ class Surroundings:
 
     @property
     def column(self) -> int:
-        return indent_width(self.before) if self.blank_before else len(self.before)
+        return indent_columns(self.before) if self.blank_before else len(self.before)
 
     @property
     def empty_body(self) -> bool:
         """The cursor is on an empty line right after a block opener whose body is still empty."""
-        if not self.blank_before or self.after.strip() or not opens_block(self.prev_line):
+        if not self.blank_before or self.after.strip() or not opens_block(self.prev_line, self.info):
             return False
-        return not self.next_lines or indent_width(self.next_lines[0]) <= indent_width(self.prev_line)
+        return not self.next_lines or indent_columns(self.next_lines[0]) <= indent_columns(self.prev_line)
 
 
 def surroundings_of(prefix: str, suffix: str, lang: str) -> Surroundings:
@@ -116,7 +115,7 @@ def surroundings_of(prefix: str, suffix: str, lang: str) -> Surroundings:
         stripped = line.strip()
         if not stripped or is_comment(stripped):
             continue
-        width = indent_width(line)
+        width = indent_columns(line)
         if width < lowest:
             ancestors.append(no_cr(line).rstrip())
             lowest = width
@@ -128,7 +127,7 @@ def surroundings_of(prefix: str, suffix: str, lang: str) -> Surroundings:
     indent_char, unit, known = _indent_style(above[-200:-1] + own + below[:100])
     eol = "\r\n" if "\r\n" in head[-2000:] or "\r\n" in tail[:2000] else "\n"
     return Surroundings(
-        lang, before, after, prev_line, tuple(next_lines), indent_char, unit, eol, tuple(ancestors), known
+        lang, language_info(lang), before, after, prev_line, tuple(next_lines), indent_char, unit, eol, tuple(ancestors), known
     )
 
 
@@ -150,7 +149,7 @@ def _indent_style(lines: list[str]) -> tuple[str | None, int, bool]:
         # " * " continues a block comment in a tab-indented C file; not an indentation choice.
         elif lead and not line.lstrip().startswith("*"):
             space_lines += 1
-        width = indent_width(line)
+        width = indent_columns(line)
         if width > last:
             steps[width - last] = steps.get(width - last, 0) + 1
         last = width
@@ -161,7 +160,7 @@ def _indent_style(lines: list[str]) -> tuple[str | None, int, bool]:
     elif total and space_lines >= 0.97 * total:
         char = " "
     if char == "\t":
-        return char, TAB, True
+        return char, TAB_WIDTH, True
     common = [s for s in sorted(steps, key=lambda s: -steps[s]) if s in (2, 3, 4, 8)]
     if not common:
         return char, 4, False
@@ -201,27 +200,16 @@ def no_cr(line: str) -> str:
     return line[:-1] if line.endswith("\r") else line
 
 
-def indent_width(line: str) -> int:
-    width = 0
-    for ch in line:
-        if ch == " ":
-            width += 1
-        elif ch == "\t":
-            width += TAB - width % TAB
-        else:
-            break
-    return width
-
-
 def leading_space(line: str) -> str:
     return line[: len(line) - len(line.lstrip(" \t"))]
 
 
-def opens_block(line: str) -> bool:
+def opens_block(line: str, info: LanguageInfo) -> bool:
+    """Does ``line`` end with one of the language's block openers (its body on the next lines)?"""
     if is_comment(line.strip()):
         return False  # `# Examples:` / `/* Usage:` open no block
     code = _TRAILING_COMMENT.sub("", line.rstrip())
-    return code.endswith((":", "{", "(", "["))
+    return code.endswith(info.block_openers)
 
 
 def is_closer_line(stripped: str) -> bool:
@@ -238,7 +226,7 @@ def same_line(line: str, other: str) -> bool:
     is usually a legitimate statement of another block (``return False`` after an inner ``if``),
     and by the time lines are compared their indentation has been fixed."""
     a, b = line.strip(), other.strip()
-    return bool(a) and a == b and indent_width(line) == indent_width(other)
+    return bool(a) and a == b and indent_columns(line) == indent_columns(other)
 
 
 def parse_window(prefix: str, suffix: str, limit: int = _PARSE_CHARS) -> tuple[str, str]:

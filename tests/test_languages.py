@@ -55,6 +55,15 @@ def test_lexical_facts(lang, comment, quotes, openers):
         assert info.multiline_closer(opener) == ("*/" if opener == "/*" else opener)
 
 
+@pytest.mark.parametrize(
+    "lang,scanned",
+    [("python", "#"), ("javascript", "//"), ("rust", "//"), ("kotlin", "//"), ("ruby", "//"), ("shellscript", "//")],
+)
+def test_the_bracket_scan_skips_the_comment_marker_it_always_has(lang, scanned):
+    # Not line_comment: Ruby and shell scripts keep the C-like `//` post-processing scanned them with.
+    assert language_info(lang).scan_line_comment == scanned
+
+
 def test_python_is_the_indentation_language_and_elides_bodies_with_dots():
     python = language_info("python")
     assert python.indentation_significant and python.block_comment is None
