@@ -14,7 +14,7 @@ import importlib
 import os
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from tree_sitter import Language, Parser
 
@@ -81,7 +81,7 @@ def normalize_language_id(language_id: str | None, uri: str = "") -> str:
     return _EXTENSIONS.get(ext, lang or "plaintext")
 
 
-@lru_cache(maxsize=None)
+@cache
 def grammar_for(language_id: str) -> Language | None:
     """The tree-sitter grammar for a normalized languageId, or None when no wheel provides one."""
     entry = _GRAMMARS.get(language_id)

@@ -11,19 +11,22 @@ Token counts for prompt budgets: when the model (its served name, or the ``root`
 reports) is a local folder with tokenizer files, its own tokenizer counts; otherwise
 :class:`ApproxTokenizer` estimates 1 token per 3.5 characters (about right for code with BPE
 vocabularies; budgets should keep a margin).
+
+Over 600 lines on purpose: :class:`RemoteEngine`'s request path (attempts, failover, abort) and
+its health checks (probes, metrics polling) share the replicas' state. The wire format is in
+:mod:`engine.sse`, the choice of replica in :mod:`engine.routing`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
 import ssl
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ from engine.routing import (
     probe_delay,
     redact_url,
 )
+from engine.sse import DONE, Malformed, Usage, choice_text, decode_event, events, int_or_none, parse_usage
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +69,27 @@ class _AttemptFailed(Exception):
         self.mark_down = mark_down
 
 
-class _Malformed(Exception):
-    """The server sent something that is not an OpenAI completion stream."""
-
-
-_DONE = object()  # the `data: [DONE]` sentinel
-
-
 @dataclass
 class _End:
     """The producer's last word: a clean end, an error, or that it was cancelled."""
 
     error: BaseException | None = None
     cancelled: bool = False
+
+
+_FINISHED = object()  # the completion was complete and nothing more came in time
+
+
+@dataclass
+class _Progress:
+    """How far one attempt's stream has come."""
+
+    first_deadline: float  # loop time by which the first token must arrive
+    yielded: int = 0  # text chunks handed to the caller
+    counted: int = 0  # tokens reported in those chunks
+    final: Chunk | None = None  # finish_reason known; usage may still come
+    usage: Usage | None = None
+    done: bool = False  # [DONE] arrived
 
 
 @dataclass
@@ -99,86 +111,6 @@ class ReplicaStatus:
     running: float | None
     kv_usage: float | None
     last_error: str | None
-
-
-@dataclass
-class _Usage:
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _parse_usage(usage: Any) -> _Usage | None:
-    """Servers differ: vLLM sends prompt_tokens_details.cached_tokens (with
-    --enable-prompt-tokens-details), llama.cpp and Ollama may send less or nothing."""
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return _Usage(
-        prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
-        cached_tokens=_int_or_none(cached),
-        completion_tokens=_int_or_none(usage.get("completion_tokens")),
-    )
-
-
-def _choice_text(choice: dict[str, Any]) -> str:
-    """``text`` for completions; ``delta.content`` tolerated for servers that answer chat-style."""
-    text = choice.get("text")
-    if isinstance(text, str):
-        return text
-    delta = choice.get("delta")
-    if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-        return delta["content"]
-    return ""
-
-
-def _sse_data(line: str) -> str | None:
-    """The payload of a ``data:`` line; other SSE fields, comments and keepalives give None."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:]
-    return data[1:] if data.startswith(" ") else data
-
-
-def _decode_event(data: str) -> dict[str, Any] | object:
-    if data.strip() == "[DONE]":
-        return _DONE
-    try:
-        event = json.loads(data)
-    except ValueError as exc:
-        raise _Malformed(f"invalid JSON in the event stream: {data[:80]!r}") from exc
-    if not isinstance(event, dict):
-        raise _Malformed(f"unexpected event in the stream: {data[:80]!r}")
-    return event
-
-
-async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | object]:
-    """SSE events from lines. A data line that is complete JSON is dispatched at once (some servers
-    omit the blank line between events); multi-line data is joined at the blank line."""
-    pending: list[str] = []
-    async for line in lines:
-        if not line:
-            if pending:
-                yield _decode_event("\n".join(pending))
-                pending = []
-            continue
-        data = _sse_data(line)
-        if data is None:
-            continue
-        if not pending:
-            try:
-                yield _decode_event(data)
-                continue
-            except _Malformed:
-                pass
-        pending.append(data)
-    if pending:
-        yield _decode_event("\n".join(pending))
 
 
 def _describe(exc: BaseException) -> str:
@@ -387,10 +319,10 @@ class RemoteEngine:
                     raise self._status_error(replica, response.status_code, await response.aread())
                 if "json" in response.headers.get("content-type", ""):
                     # A server that ignored `stream: true` answers with one JSON object.
-                    queue.put_nowait(_decode_event((await response.aread()).decode("utf-8", "replace")))
-                    queue.put_nowait(_DONE)
+                    queue.put_nowait(decode_event((await response.aread()).decode("utf-8", "replace")))
+                    queue.put_nowait(DONE)
                 else:
-                    async for event in _events(response.aiter_lines()):
+                    async for event in events(response.aiter_lines()):
                         queue.put_nowait(event)
             queue.put_nowait(_End())
         except asyncio.CancelledError:
@@ -400,7 +332,7 @@ class RemoteEngine:
             queue.put_nowait(_End(_AttemptFailed(f"cannot connect to {replica.name} ({_describe(exc)})")))
         except httpx.HTTPError as exc:  # read/write errors, protocol errors, a closed connection
             queue.put_nowait(_End(_AttemptFailed(f"the connection to {replica.name} failed ({_describe(exc)})")))
-        except _Malformed as exc:
+        except Malformed as exc:
             queue.put_nowait(_End(_AttemptFailed(f"{replica.name} sent a malformed stream: {exc}")))
         except (_AttemptFailed, EngineError) as exc:
             queue.put_nowait(_End(exc))
@@ -423,93 +355,30 @@ class RemoteEngine:
         Text chunks count one token each (one SSE event is one decode step on vLLM and llama.cpp);
         the last chunk, empty, carries finish_reason and the server's usage: prompt_tokens,
         cached_tokens, and the token count that makes the total equal ``completion_tokens``."""
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         producer = asyncio.create_task(self._produce(replica, body, request_id, queue))
         active = _Active(producer, replica)
         self._active[request_id] = active
         replica.inflight += 1
-        first_deadline = loop.time() + self.first_token_timeout
-        yielded = 0  # text chunks handed to the caller
-        counted = 0  # tokens reported in those chunks
-        final: Chunk | None = None  # finish_reason known; usage may still come
-        usage: _Usage | None = None
-        done = False
+        progress = _Progress(first_deadline=asyncio.get_running_loop().time() + self.first_token_timeout)
         try:
             while True:
                 if active.aborted:
                     # Text already queued is dropped: the caller asked for no more.
-                    final = Chunk(text="", finish_reason="abort")
+                    progress.final = Chunk(text="", finish_reason="abort")
                     break
-                if final is not None:
-                    # Finished: wait briefly for the usage event and [DONE], reading to the end keeps
-                    # the connection reusable.
-                    timeout = min(self.read_timeout, 2.0)
-                elif yielded:
-                    timeout = self.read_timeout
-                else:
-                    timeout = max(0.0, first_deadline - loop.time())
-                try:
-                    async with asyncio.timeout(timeout):
-                        item = await queue.get()
-                except TimeoutError:
-                    if final is not None:
-                        break
-                    if yielded:
-                        message = f"no token for {self.read_timeout:g} s after {yielded} chunks"
-                        self._mark_down(replica, self._scrub(f"{replica.name} stalled: {message}"))
-                        raise EngineError(f"the stream from {replica.name} broke mid-stream: {message}") from None
-                    raise _AttemptFailed(
-                        f"{replica.name} sent no token within {self.first_token_timeout:g} s"
-                    ) from None
-                if item is _DONE:
-                    done = True
+                item = await self._next_item(queue, replica, progress)
+                if item is _FINISHED:
+                    break
+                if item is DONE:
+                    progress.done = True
                     break
                 if isinstance(item, _End):
-                    if item.cancelled:  # close() of the engine
-                        final = Chunk(text="", finish_reason="abort")
-                        break
-                    if item.error is None or final is not None:
-                        break  # a clean end, or trouble after the completion was complete
-                    if yielded:
-                        # The caller already has part of the text: it cannot be replayed elsewhere.
-                        self._mark_down(replica, self._scrub(str(item.error)))
-                        raise EngineError(
-                            self._scrub(f"the stream from {replica.name} broke mid-stream after {yielded} chunks: {item.error}")
-                        ) from item.error
-                    raise item.error
-                if "error" in item:
-                    error = item["error"]
-                    detail = error.get("message", error) if isinstance(error, dict) else error
-                    raise EngineError(self._scrub(f"{replica.name} reported an error: {detail}"))
-                usage = _parse_usage(item.get("usage")) or usage
-                for choice in item.get("choices") or ():
-                    if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                        continue
-                    text = _choice_text(choice)
-                    finish = choice.get("finish_reason")
-                    if text:
-                        yielded += 1
-                        counted += 1
-                        yield Chunk(text=text, token_count=1)
-                    if finish:
-                        final = Chunk(text="", finish_reason=str(finish))
-            if final is None:
-                if not done:
-                    if yielded:
-                        self._mark_down(replica, f"{replica.name} closed a stream before it finished")
-                        raise EngineError(
-                            f"the stream from {replica.name} broke mid-stream after {yielded} chunks: "
-                            "the connection closed before the completion finished"
-                        )
-                    raise _AttemptFailed(f"{replica.name} closed the stream without a completion")
-                final = Chunk(text="", finish_reason="stop")  # [DONE] without a finish_reason
-            if usage is not None:
-                final.prompt_tokens = usage.prompt_tokens
-                final.cached_tokens = usage.cached_tokens
-                if usage.completion_tokens is not None and usage.completion_tokens >= counted:
-                    final.token_count = usage.completion_tokens - counted
-            yield final
+                    self._check_end(item, replica, progress)
+                    break
+                for chunk in self._text_chunks(item, replica, progress):
+                    yield chunk
+            yield self._final_chunk(replica, progress)
         finally:
             replica.inflight -= 1
             if self._active.get(request_id) is active:
@@ -518,6 +387,86 @@ class RemoteEngine:
                 # Closing the response closes the connection, and vLLM aborts the request.
                 producer.cancel()
                 await asyncio.gather(producer, return_exceptions=True)
+
+    async def _next_item(self, queue: asyncio.Queue[Any], replica: Replica, progress: _Progress) -> Any:
+        """The producer's next item, within the deadline that applies now; ``_FINISHED`` when the
+        completion is complete and nothing more came in time."""
+        if progress.final is not None:
+            # Finished: wait briefly for the usage event and [DONE], reading to the end keeps
+            # the connection reusable.
+            timeout = min(self.read_timeout, 2.0)
+        elif progress.yielded:
+            timeout = self.read_timeout
+        else:
+            timeout = max(0.0, progress.first_deadline - asyncio.get_running_loop().time())
+        try:
+            async with asyncio.timeout(timeout):
+                return await queue.get()
+        except TimeoutError:
+            if progress.final is not None:
+                return _FINISHED
+            if progress.yielded:
+                message = f"no token for {self.read_timeout:g} s after {progress.yielded} chunks"
+                self._mark_down(replica, self._scrub(f"{replica.name} stalled: {message}"))
+                raise EngineError(f"the stream from {replica.name} broke mid-stream: {message}") from None
+            raise _AttemptFailed(f"{replica.name} sent no token within {self.first_token_timeout:g} s") from None
+
+    def _check_end(self, end: _End, replica: Replica, progress: _Progress) -> None:
+        """The producer ended: fine when cleanly or after the completion was complete; raises otherwise."""
+        if end.cancelled:  # close() of the engine
+            progress.final = Chunk(text="", finish_reason="abort")
+            return
+        if end.error is None or progress.final is not None:
+            return  # a clean end, or trouble after the completion was complete
+        if progress.yielded:
+            # The caller already has part of the text: it cannot be replayed elsewhere.
+            self._mark_down(replica, self._scrub(str(end.error)))
+            message = f"the stream from {replica.name} broke mid-stream after {progress.yielded} chunks: {end.error}"
+            raise EngineError(self._scrub(message)) from end.error
+        raise end.error
+
+    def _text_chunks(self, event: dict[str, Any], replica: Replica, progress: _Progress) -> list[Chunk]:
+        """The text of one event (choice 0), noting its usage and finish reason."""
+        if "error" in event:
+            error = event["error"]
+            detail = error.get("message", error) if isinstance(error, dict) else error
+            raise EngineError(self._scrub(f"{replica.name} reported an error: {detail}"))
+        progress.usage = parse_usage(event.get("usage")) or progress.usage
+        chunks = []
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            text = choice_text(choice)
+            finish = choice.get("finish_reason")
+            if text:
+                progress.yielded += 1
+                progress.counted += 1
+                chunks.append(Chunk(text=text, token_count=1))
+            if finish:
+                progress.final = Chunk(text="", finish_reason=str(finish))
+        return chunks
+
+    def _final_chunk(self, replica: Replica, progress: _Progress) -> Chunk:
+        """The last chunk: the finish reason and the server's usage; raises when the stream ended
+        before the completion did."""
+        final = progress.final
+        if final is None:
+            if not progress.done:
+                if progress.yielded:
+                    self._mark_down(replica, f"{replica.name} closed a stream before it finished")
+                    raise EngineError(
+                        f"the stream from {replica.name} broke mid-stream after {progress.yielded} chunks: "
+                        "the connection closed before the completion finished"
+                    )
+                raise _AttemptFailed(f"{replica.name} closed the stream without a completion")
+            final = Chunk(text="", finish_reason="stop")  # [DONE] without a finish_reason
+        usage = progress.usage
+        if usage is not None:
+            final.prompt_tokens = usage.prompt_tokens
+            final.cached_tokens = usage.cached_tokens
+            if usage.completion_tokens is not None and usage.completion_tokens >= progress.counted:
+                final.token_count = usage.completion_tokens - progress.counted
+        return final
 
     # -- health ----------------------------------------------------------------------------------
 
@@ -572,10 +521,10 @@ class RemoteEngine:
                     listed = ", ".join(str(m.get("id")) for m in models)
                     log.warning("replica %s does not list model %s (it lists: %s)", replica.name, name, listed)
                 continue
-            length = _int_or_none(entry.get("max_model_len"))
+            length = int_or_none(entry.get("max_model_len"))
             meta = entry.get("meta")
             if length is None and isinstance(meta, dict):  # llama.cpp reports its context in meta
-                length = _int_or_none(meta.get("n_ctx")) or _int_or_none(meta.get("n_ctx_train"))
+                length = int_or_none(meta.get("n_ctx")) or int_or_none(meta.get("n_ctx_train"))
             if length:
                 lengths.append(length)
             if isinstance(entry.get("root"), str):

@@ -362,6 +362,25 @@ def configure_logging(level: str, filename: str | None, *, log_protocol: bool) -
         logging.getLogger("pygls").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
 
 
+def refuse_args(args: argparse.Namespace, settings: Settings, tcp: tuple[str, int] | None) -> str | None:
+    """Why these arguments cannot run together (exit 2), or None."""
+    if settings.engine_url and settings.engine_args:
+        return (
+            "--engine-arg is for the embedded engine; a server given with --engine-url runs with its own "
+            f"arguments: start it with {vllm_flags(settings.engine_arg_dict())}"
+        )
+    if args.token is not None and not args.token.strip():
+        return "--token must not be empty"
+    if tcp and not is_loopback(tcp[0]) and not args.token:
+        return (
+            f"refusing to listen on non-loopback address {tcp[0]} without --token "
+            "(anyone who can reach it could read the code editors send)"
+        )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        return "--tls-cert and --tls-key go together"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["daemon"]:
@@ -381,25 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ember: {exc}", file=sys.stderr)
         return 2
-    if settings.engine_url and settings.engine_args:
-        print(
-            "ember: --engine-arg is for the embedded engine; a server given with --engine-url runs with its own "
-            f"arguments: start it with {vllm_flags(settings.engine_arg_dict())}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.token is not None and not args.token.strip():
-        print("ember: --token must not be empty", file=sys.stderr)
-        return 2
-    if tcp and not is_loopback(tcp[0]) and not args.token:
-        print(
-            f"ember: refusing to listen on non-loopback address {tcp[0]} without --token "
-            "(anyone who can reach it could read the code editors send)",
-            file=sys.stderr,
-        )
-        return 2
-    if bool(args.tls_cert) != bool(args.tls_key):
-        print("ember: --tls-cert and --tls-key go together", file=sys.stderr)
+    refusal = refuse_args(args, settings, tcp)
+    if refusal:
+        print(f"ember: {refusal}", file=sys.stderr)
         return 2
     tls = None
     if args.tls_cert:

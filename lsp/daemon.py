@@ -298,7 +298,7 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 1),
             "idle_exit_s": self.idle_s,
             "engine": engine_options(self.core.settings),
-            "ready": self.core.ready,
+            "ready": self.core.check_engine(),  # as every request does: a dead engine is replaced
         }
 
     async def serve(self) -> None:
