@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from context.fim import FimTemplate, strip_control_tokens
-from context.postprocess import Mode, SyntaxCutter, plain_postprocess, plain_stop
+from context.postprocess import Mode, StreamCutter, SyntaxCutter, plain_postprocess, plain_stop
 from context.prompt import Prompt, PromptBudget, PromptRequest, TokenCounter, anchored_prompt, naive_prompt
 from context.site import CompletionSite
 
@@ -38,7 +38,7 @@ class Cutter(Protocol):
         ...
 
 
-class PlainCutter:
+class PlainCutter(StreamCutter):
     """The baseline without syntax, what a client that only cuts at line breaks does
     (:func:`context.postprocess.plain_stop`)."""
 
@@ -47,14 +47,8 @@ class PlainCutter:
         self.raw = ""
         self._previewed = ""
 
-    def feed(self, chunk: str) -> bool:
-        self.raw += chunk
-        cut = plain_stop(self.raw, self.mode)
-        if cut is not None:
-            self.raw = self.raw[:cut]
-            return True
-        self._previewed = self.raw
-        return False
+    def _stop(self) -> int | None:
+        return plain_stop(self.raw, self.mode)
 
     def preview(self) -> str:
         return plain_postprocess(strip_control_tokens(self._previewed), self.mode) if self._previewed else ""

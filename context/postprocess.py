@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Mode",
+    "StreamCutter",
     "SyntaxCutter",
     "completion_mode",
     "find_stop",
@@ -332,27 +333,12 @@ def _first_line(generated: str) -> str:
         return ""
 
 
-class SyntaxCutter:
-    """ember's post-processing of one streamed completion: :func:`find_stop` on every chunk,
-    :func:`postprocess` for the preview and the final text, with the cursor's surroundings
-    summarised once.
+class StreamCutter:
+    """A streamed completion cut where :meth:`_stop` says it is complete; subclasses say where
+    and what text to show."""
 
-    ``raw`` is the model's text so far (control tokens included), cut where the completion is
-    complete once :meth:`feed` said so."""
-
-    def __init__(self, prefix: str, suffix: str, language_id: str, mode: Mode, healed: str = "") -> None:
-        self.prefix = prefix
-        self.suffix = suffix
-        self.mode = mode
-        self.healed = healed
-        self.raw = ""
-        self._previewed = ""  # the raw text the preview shows: as of the last chunk that did not stop
-        self._preview = ("", "")  # (raw, text) of the last preview made
-        try:
-            self._site: Surroundings | None = surroundings_of(prefix, suffix, normalize_language_id(language_id))
-        except Exception:
-            log.warning("summarising the cursor's surroundings failed; cutting at the first line", exc_info=True)
-            self._site = None
+    raw: str  # the model's text so far (control tokens included), cut once feed() said so
+    _previewed: str  # the raw text the preview shows: as of the last chunk that did not stop
 
     def feed(self, chunk: str) -> bool:
         """Adds streamed text; True when the completion is complete (stop generating)."""
@@ -363,6 +349,29 @@ class SyntaxCutter:
             return True
         self._previewed = self.raw
         return False
+
+    def _stop(self) -> int | None:
+        raise NotImplementedError
+
+
+class SyntaxCutter(StreamCutter):
+    """ember's post-processing of one streamed completion: :func:`find_stop` on every chunk,
+    :func:`postprocess` for the preview and the final text, with the cursor's surroundings
+    summarised once."""
+
+    def __init__(self, prefix: str, suffix: str, language_id: str, mode: Mode, healed: str = "") -> None:
+        self.prefix = prefix
+        self.suffix = suffix
+        self.mode = mode
+        self.healed = healed
+        self.raw = ""
+        self._previewed = ""
+        self._preview = ("", "")  # (raw, text) of the last preview made
+        try:
+            self._site: Surroundings | None = surroundings_of(prefix, suffix, normalize_language_id(language_id))
+        except Exception:
+            log.warning("summarising the cursor's surroundings failed; cutting at the first line", exc_info=True)
+            self._site = None
 
     def preview(self) -> str:
         """The text to show while the stream goes on (the final text's rules minus the parse check)."""

@@ -32,6 +32,7 @@ import hashlib
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from context.fim import PREFIX_ONLY, FimTemplate, neutralize_control_tokens
 from context.languages import language_info
@@ -495,36 +496,9 @@ def build_prompt(
     )
 
 
-def build_naive_prompt(
-    text: str,
-    offset: int,
-    *,
-    uri: str = "",
-    language_id: str = "",
-    tree: Tree | None = None,
-    cursor_byte: int | None = None,
-    template: FimTemplate = PREFIX_ONLY,
-    counter: TokenCounter | None = None,
-    budget: PromptBudget = PromptBudget(),
-    snippets: Sequence[Snippet] = (),
-    heal: bool = False,
-) -> Prompt:
+def build_naive_prompt(text: str, offset: int, **options: Any) -> Prompt:
     """The baseline that benchmarks compare against: the last N lines before the cursor (as many as
     fit ``prefix_tokens``) and, for FIM, the next N lines (cut to ``suffix_tokens``); no header,
     no syntax. The window slides by a line whenever the cursor's distance to its top outgrows
-    the budget. Same signature, template handling and healing as :func:`build_prompt`."""
-    return naive_prompt(
-        PromptRequest(
-            text,
-            offset,
-            uri=uri,
-            language_id=language_id,
-            tree=tree,
-            cursor_byte=cursor_byte,
-            template=template,
-            counter=counter,
-            budget=budget,
-            snippets=snippets,
-            heal=heal,
-        )
-    )
+    the budget. Takes :func:`build_prompt`'s keyword arguments; same template handling and healing."""
+    return naive_prompt(PromptRequest(text, offset, **options))
