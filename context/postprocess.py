@@ -367,11 +367,20 @@ class SyntaxCutter(StreamCutter):
         self.raw = ""
         self._previewed = ""
         self._preview = ("", "")  # (raw, text) of the last preview made
-        try:
-            self._site: Surroundings | None = surroundings_of(prefix, suffix, normalize_language_id(language_id))
-        except Exception:
-            log.warning("summarising the cursor's surroundings failed; cutting at the first line", exc_info=True)
-            self._site = None
+        self._language_id = language_id
+        # Summarised at the first chunk, not here: that work then overlaps the engine's prefill
+        # instead of delaying the request (as find_stop did before the cutter existed).
+        self._summary: tuple[Surroundings | None] | None = None
+
+    def _site(self) -> Surroundings | None:
+        """The cursor's surroundings, summarised once; None when that failed."""
+        if self._summary is None:
+            try:
+                self._summary = (surroundings_of(self.prefix, self.suffix, normalize_language_id(self._language_id)),)
+            except Exception:
+                log.warning("summarising the cursor's surroundings failed; cutting at the first line", exc_info=True)
+                self._summary = (None,)
+        return self._summary[0]
 
     def preview(self) -> str:
         """The text to show while the stream goes on (the final text's rules minus the parse check)."""
@@ -384,21 +393,23 @@ class SyntaxCutter(StreamCutter):
         return self._text(self.raw, truncated=truncated, partial=False)
 
     def _stop(self) -> int | None:
-        if self._site is None:
+        site = self._site()
+        if site is None:
             return None  # as find_stop does when it fails: the token limit ends the text
         try:
-            return _stop_at(self.raw, self._site, self.mode, self.healed)
+            return _stop_at(self.raw, site, self.mode, self.healed)
         except Exception:
             log.warning("find_stop failed; letting generation continue", exc_info=True)
             return None
 
     def _text(self, raw: str, *, truncated: bool, partial: bool) -> str:
         generated = strip_control_tokens(raw)
-        if self._site is None:
+        site = self._site()
+        if site is None:
             return _first_line(generated)
         try:
             return _postprocess(
-                generated, self._site, self.prefix, self.suffix, self.mode,
+                generated, site, self.prefix, self.suffix, self.mode,
                 truncated=truncated, healed=self.healed, partial=partial,
             )
         except Exception:
