@@ -270,7 +270,8 @@ def _line_definitions(text: str) -> tuple[Definition, ...]:
     result: list[Definition] = []
     for line in text.splitlines():
         if line and not line[0].isspace() and not line.startswith(("#", "//", "/*", "*", "}", ")", "]")):
-            result.append(Definition(line.split("(")[0].split()[-1] if line.split() else "", line, line))
+            words = line.split("(")[0].split()  # empty for a line that starts with "(": a subshell
+            result.append(Definition(words[-1] if words else "", line, line))
     return tuple(result)
 
 

@@ -854,3 +854,9 @@ def test_cross_file_selection_follows_the_snippet_budget():
     assert PromptBudget.for_model(2048, 48).snippet_chars == 880
     assert PromptBudget.for_model(8192, 48).snippet_chars == 4 * 880
     assert PromptBudget.for_model(2048, 48, snippet_tokens=64).snippet_chars == 220
+
+
+def test_definitions_without_a_grammar_take_a_line_that_starts_with_a_bracket():
+    # A shell subshell at column 0 used to raise IndexError (found indexing editors/*.sh).
+    found = definitions('(cd "$here" && npm ci)\nbuild() {\n  make\n}\n', "shellscript", "install.sh")
+    assert [d.name for d in found] == ["", "build"]
