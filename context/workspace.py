@@ -120,7 +120,6 @@ class _Cached:
 class _ScanState:
     pending_dirs: list[tuple[str, tuple[_Ignore, ...]]] = field(default_factory=list)
     candidates: list[_Candidate] = field(default_factory=list)
-    visited: set[str] = field(default_factory=set)
     cap_hit: bool = False
 
 
@@ -209,7 +208,6 @@ class WorkspaceIndex:
     def _fresh_scan(self) -> _ScanState:
         state = _ScanState()
         state.pending_dirs = [(r, ()) for r in reversed(self._roots)]
-        state.visited = set(self._roots)
         return state
 
     def rescan(self) -> None:
@@ -308,7 +306,7 @@ class WorkspaceIndex:
             entries, skipped["unreadable"] = [], 1
         for entry in entries:
             try:
-                kind = self._entry_kind(entry, ignores, state)
+                kind = self._entry_kind(entry, ignores)
                 if kind == "dir":
                     subdirs.append((entry.path, ignores))
                 elif kind == "file":
@@ -328,22 +326,19 @@ class WorkspaceIndex:
             state.pending_dirs.extend(reversed(subdirs))
             state.candidates.extend(reversed(candidates))
 
-    def _entry_kind(self, entry: os.DirEntry[str], ignores: tuple[_Ignore, ...], state: _ScanState) -> str:
+    def _entry_kind(self, entry: os.DirEntry[str], ignores: tuple[_Ignore, ...]) -> str:
         """"dir" to descend, "file" to probe, a skip reason, or "" for an entry not counted."""
         if entry.is_symlink() and self._key(entry.path) is None:
             return "outside_root"
         if entry.is_dir():
+            if entry.is_symlink():  # its target is under a root: listed there, by its own path
+                return ""
             if entry.name in SKIPPED_DIRS:
                 return "skipped_dir"
             if self._ignored(entry.path, True, ignores):
                 return "ignored"
             if os.path.isfile(os.path.join(entry.path, VENV_MARKER)):
                 return "virtualenv"
-            real = os.path.realpath(entry.path)
-            with self._lock:
-                if real in state.visited:  # a symlink loop or a second link to one directory
-                    return ""
-                state.visited.add(real)
             return "dir"
         if not entry.is_file():
             return ""
