@@ -20,8 +20,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-import pathspec
-
+from context.gitignore import GitignoreRules, IgnoreChain
 from context.languages import language_info, normalize_language_id
 from context.snippets import Definition, definitions
 
@@ -93,14 +92,6 @@ class IndexStats:
 
 
 @dataclass(frozen=True)
-class _Ignore:
-    """A .gitignore and the directory its patterns are relative to."""
-
-    base: str
-    spec: pathspec.GitIgnoreSpec
-
-
-@dataclass(frozen=True)
 class _Candidate:
     """A file seen in a directory listing, to be probed (size, binary, encoding) before listing."""
 
@@ -118,7 +109,7 @@ class _Cached:
 
 @dataclass
 class _ScanState:
-    pending_dirs: list[tuple[str, tuple[_Ignore, ...]]] = field(default_factory=list)
+    pending_dirs: list[tuple[str, IgnoreChain]] = field(default_factory=list)
     candidates: list[_Candidate] = field(default_factory=list)
     cap_hit: bool = False
 
@@ -176,7 +167,7 @@ class WorkspaceIndex:
         self._summary_bytes = 0
         self._overrides: dict[str, tuple[int, str]] = {}  # path -> (version, text)
         self._override_version = 0
-        self._ignore_specs: dict[str, pathspec.GitIgnoreSpec | None] = {}
+        self._gitignores = GitignoreRules(self._gitignore_text)
         self._scan = self._fresh_scan()
 
     # -------------------------------------------------------------------------------------------
@@ -216,7 +207,7 @@ class WorkspaceIndex:
             self._files.clear()
             self._by_dir.clear()
             self._skipped.clear()
-            self._ignore_specs.clear()
+            self._gitignores.clear()
             self._scan = self._fresh_scan()
 
     def scan(self, max_files: int | None = None, deadline_s: float | None = None) -> ScanProgress:
@@ -291,12 +282,12 @@ class WorkspaceIndex:
             return "unreadable"
         return _classify_head(head, self.limits.binary_probe_bytes)
 
-    def _visit(self, state: _ScanState, directory: str, ignores: tuple[_Ignore, ...]) -> None:
+    def _visit(self, state: _ScanState, directory: str, ignores: IgnoreChain) -> None:
         """Read one directory: its files become candidates, its subdirectories pending."""
-        ignores = self._with_own_ignore(directory, ignores)
+        ignores = self._gitignores.extend(directory, ignores)
         skipped: Counter[str] = Counter()
         candidates: list[_Candidate] = []
-        subdirs: list[tuple[str, tuple[_Ignore, ...]]] = []
+        subdirs: list[tuple[str, IgnoreChain]] = []
         try:
             with os.scandir(directory) as listing:
                 entries = sorted(listing, key=lambda e: e.name)
@@ -326,7 +317,7 @@ class WorkspaceIndex:
             state.pending_dirs.extend(reversed(subdirs))
             state.candidates.extend(reversed(candidates))
 
-    def _entry_kind(self, entry: os.DirEntry[str], ignores: tuple[_Ignore, ...]) -> str:
+    def _entry_kind(self, entry: os.DirEntry[str], ignores: IgnoreChain) -> str:
         """"dir" to descend, "file" to probe, a skip reason, or "" for an entry not counted."""
         if entry.is_symlink() and self._key(entry.path) is None:
             return "outside_root"
@@ -335,7 +326,7 @@ class WorkspaceIndex:
                 return ""
             if entry.name in SKIPPED_DIRS:
                 return "skipped_dir"
-            if self._ignored(entry.path, True, ignores):
+            if self._gitignores.ignored(entry.path, True, ignores):
                 return "ignored"
             if os.path.isfile(os.path.join(entry.path, VENV_MARKER)):
                 return "virtualenv"
@@ -344,61 +335,35 @@ class WorkspaceIndex:
             return ""
         if source_language(entry.name) is None:
             return "unknown_extension"
-        return "ignored" if self._ignored(entry.path, False, ignores) else "file"
+        return "ignored" if self._gitignores.ignored(entry.path, False, ignores) else "file"
 
-    # -------------------------------------------------------------------------------------------
-    # .gitignore
-
-    def _with_own_ignore(self, directory: str, ignores: tuple[_Ignore, ...]) -> tuple[_Ignore, ...]:
-        spec = self._ignore_spec(directory)
-        return ignores + (_Ignore(directory, spec),) if spec is not None else ignores
-
-    def _ignore_spec(self, directory: str) -> pathspec.GitIgnoreSpec | None:
-        with self._lock:
-            if directory in self._ignore_specs:
-                return self._ignore_specs[directory]
-        spec: pathspec.GitIgnoreSpec | None = None
-        path = os.path.join(directory, ".gitignore")
-        if os.path.isfile(path) and self._key(path) is not None:
-            try:
-                text = _read_head(path, self.limits.max_file_bytes).decode("utf-8", "replace")
-                spec = pathspec.GitIgnoreSpec.from_lines(text.splitlines())
-            except (OSError, ValueError):
-                spec = None
-        with self._lock:
-            self._ignore_specs[directory] = spec
-        return spec
-
-    @staticmethod
-    def _ignored(path: str, is_dir: bool, ignores: tuple[_Ignore, ...]) -> bool:
-        """Git's rule: the last matching pattern decides, a deeper .gitignore after a shallower."""
-        verdict: bool | None = None
-        for ignore in ignores:
-            relative = os.path.relpath(path, ignore.base).replace(os.sep, "/") + ("/" if is_dir else "")
-            include = ignore.spec.check_file(relative).include
-            if include is not None:
-                verdict = include
-        return bool(verdict)
+    def _gitignore_text(self, path: str) -> str | None:
+        if not os.path.isfile(path) or self._key(path) is None:
+            return None
+        try:
+            return _read_head(path, self.limits.max_file_bytes).decode("utf-8", "replace")
+        except OSError:
+            return None
 
     def _path_reason(self, key: str) -> str | None:
         """Why the listing would leave out the file at ``key``, from its directories and name."""
         root = self._root_of(key)
-        ignores: tuple[_Ignore, ...] = ()
+        ignores: IgnoreChain = ()
         directory = root
         relative_dirs = os.path.relpath(os.path.dirname(key), root).split(os.sep)
         for part in [p for p in relative_dirs if p not in ("", ".")]:
-            ignores = self._with_own_ignore(directory, ignores)
+            ignores = self._gitignores.extend(directory, ignores)
             directory = os.path.join(directory, part)
             if part in SKIPPED_DIRS:
                 return "skipped_dir"
-            if self._ignored(directory, True, ignores):
+            if self._gitignores.ignored(directory, True, ignores):
                 return "ignored"
             if os.path.isfile(os.path.join(directory, VENV_MARKER)):
                 return "virtualenv"
         if source_language(key) is None:
             return "unknown_extension"
-        ignores = self._with_own_ignore(directory, ignores)
-        return "ignored" if self._ignored(key, False, ignores) else None
+        ignores = self._gitignores.extend(directory, ignores)
+        return "ignored" if self._gitignores.ignored(key, False, ignores) else None
 
     # -------------------------------------------------------------------------------------------
     # queries
@@ -551,8 +516,7 @@ class WorkspaceIndex:
         if key is None:
             return False
         if os.path.basename(key) == ".gitignore":
-            with self._lock:
-                self._ignore_specs.pop(os.path.dirname(key), None)
+            self._gitignores.forget(os.path.dirname(key))
             return False
         self._uncache(key)
         try:
