@@ -240,6 +240,12 @@ class WorkspaceIndex:
             done = state.cap_hit or not (state.candidates or state.pending_dirs)
             return ScanProgress(listed, len(self._files), done, state.cap_hit)
 
+    def _listing_complete(self) -> bool:
+        """Whether every file under the roots has been seen (not so while scanning or over the cap)."""
+        with self._lock:
+            state = self._scan
+            return not (state.cap_hit or state.candidates or state.pending_dirs)
+
     def _list_candidate(self, state: _ScanState, candidate: _Candidate) -> int:
         reason = self._probe(candidate.path, candidate.size)
         with self._lock:
@@ -382,25 +388,26 @@ class WorkspaceIndex:
         return listed or source_language(key)
 
     def is_file(self, path: str) -> bool:
-        """Whether ``path`` is a workspace source file: listed or open; while the scan is not done,
-        a source file on disk under a root counts too."""
+        """Whether ``path`` is a workspace source file: listed or open; while the scan is not done
+        (or stopped at the cap), a source file on disk under a root counts too."""
         key = self._key(path)
         if key is None:
             return False
         with self._lock:
             if key in self._files or key in self._overrides:
                 return True
-            unfinished = not self._progress(0).done
+            unfinished = not self._listing_complete()
         return unfinished and source_language(key) is not None and os.path.isfile(key)
 
     def files_in(self, directory: str) -> tuple[str, ...]:
-        """The source files directly in ``directory``, sorted (from disk too while the scan runs)."""
+        """The source files directly in ``directory``, sorted (from disk too while the listing is
+        incomplete)."""
         key = self._key(directory)
         if key is None:
             return ()
         with self._lock:
             found = set(self._by_dir.get(key, ())) | {p for p in self._overrides if os.path.dirname(p) == key}
-            unfinished = not self._progress(0).done
+            unfinished = not self._listing_complete()
         if unfinished:
             try:
                 with os.scandir(key) as listing:

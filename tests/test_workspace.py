@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -154,9 +155,10 @@ def test_an_open_document_wins_over_the_disk(tmp_path: Path) -> None:
     assert live is not None and live.defines("live") and not live.defines("on_disk") and live.mtime_ns == -1
     assert index.text(str(path)) == "def live(): ...\n"
     index.set_override(str(path), "def typed(): ...\n")
+    path.write_text("def changed_on_disk(): ...\n")  # changed on disk while open: the editor's text wins
     assert index.summary(str(path)).defines("typed")  # type: ignore[union-attr]
     index.clear_override(str(path))
-    assert index.summary(str(path)).defines("on_disk")  # type: ignore[union-attr]
+    assert index.summary(str(path)).defines("changed_on_disk")  # type: ignore[union-attr]
     # An unsaved new file is known while open.
     new = tmp_path / "pkg" / "new.py"
     assert index.set_override(str(new), "def fresh(): ...\n") and str(new) in index.files() and index.is_file(str(new))
@@ -182,6 +184,8 @@ def test_the_file_cap_is_reported(tmp_path: Path) -> None:
     assert stats.cap_hit and stats.files_listed == 3 and stats.max_files == 3
     write(tmp_path, "late.py")
     assert not index.refresh(str(tmp_path / "late.py")) and len(index.files()) == 3
+    # Over the cap, imports still find files on disk (nothing more is listed or crawled).
+    assert index.is_file(str(tmp_path / "late.py")) and len(index.files_in(str(tmp_path))) == 6
 
 
 def test_a_resumed_scan_lists_what_one_scan_lists(tmp_path: Path) -> None:
@@ -214,3 +218,24 @@ def test_summaries_stay_within_their_byte_budget(tmp_path: Path) -> None:
     stats = index.stats()
     assert 0 < stats.summaries_cached < 20 and stats.summary_bytes <= 20_000
     assert index.summary(index.files()[-1]) is not None  # the most recent stays cached
+
+
+def test_summaries_are_served_while_another_thread_scans(tmp_path: Path) -> None:
+    for n in range(200):
+        write(tmp_path, f"d{n % 7}/m{n}.py", f"def f{n}(): ...\n")
+    index = WorkspaceIndex([str(tmp_path)])
+
+    def scan_in_small_steps() -> None:
+        while not index.scan(max_files=5).done:
+            pass
+
+    scanner = threading.Thread(target=scan_in_small_steps)
+    scanner.start()
+    seen = 0
+    while scanner.is_alive() or seen < len(index.files()):
+        files = index.files()
+        if seen < len(files):
+            assert index.summary(files[seen]) is not None
+            seen += 1
+    scanner.join()
+    assert seen == 200 and index.stats().summaries_cached == 200
