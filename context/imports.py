@@ -92,6 +92,8 @@ class _PythonResolver:
     def __init__(self, tree: SourceTree) -> None:
         self.tree = tree
         self._imports: dict[str, dict[str, tuple[str, ...]]] = {}
+        self._bases: dict[str, list[str]] = {}
+        self._modules: dict[tuple[str, str], str | None] = {}
 
     def resolve(self, path: str, text: str) -> tuple[ResolvedImport, ...]:
         imports = python_imports(text)
@@ -116,6 +118,12 @@ class _PythonResolver:
 
     def module_file(self, importer: str, module: str) -> str | None:
         """The file a module names, from the file ``importer``."""
+        key = (os.path.dirname(importer), module)
+        if key not in self._modules:
+            self._modules[key] = self._find_module(importer, module)
+        return self._modules[key]
+
+    def _find_module(self, importer: str, module: str) -> str | None:
         bare = module.lstrip(".")
         level = len(module) - len(bare)
         parts = bare.split(".") if bare else []
@@ -139,6 +147,11 @@ class _PythonResolver:
 
     def bases(self, importer: str) -> list[str]:
         """Where absolute imports start: above the importer's top package, each root, its src/."""
+        if importer not in self._bases:
+            self._bases[importer] = self._find_bases(importer)
+        return self._bases[importer]
+
+    def _find_bases(self, importer: str) -> list[str]:
         top = os.path.dirname(importer)
         while self.tree.is_file(os.path.join(top, "__init__.py")) and _within_roots(self.tree, os.path.dirname(top)):
             top = os.path.dirname(top)

@@ -182,9 +182,7 @@ class WorkspaceIndex:
 
     def _key(self, path: str) -> str | None:
         """The index's name for ``path``, or None when it (or its symlink target) leaves the roots."""
-        if path.startswith("file://"):
-            path = path[len("file://") :]
-        lexical = os.path.abspath(path)
+        lexical = os.path.abspath(path.removeprefix("file://"))
         real = os.path.realpath(lexical)
         if not any(_under(real, r) for r in self._roots):
             return None
@@ -390,14 +388,22 @@ class WorkspaceIndex:
     def is_file(self, path: str) -> bool:
         """Whether ``path`` is a workspace source file: listed or open; while the scan is not done
         (or stopped at the cap), a source file on disk under a root counts too."""
-        key = self._key(path)
+        # Resolution asks about many paths that do not exist: answer those without resolving symlinks.
+        lexical = os.path.abspath(path.removeprefix("file://"))
+        with self._lock:
+            if lexical in self._files or lexical in self._overrides:
+                return True
+            unfinished = not self._listing_complete()
+        aliased = not any(_under(lexical, r) for r in self._roots)  # a root reached through a symlink
+        if not (unfinished or aliased) or source_language(lexical) is None or not os.path.isfile(lexical):
+            return False
+        key = self._key(lexical)
         if key is None:
             return False
         with self._lock:
             if key in self._files or key in self._overrides:
                 return True
-            unfinished = not self._listing_complete()
-        return unfinished and source_language(key) is not None and os.path.isfile(key)
+        return unfinished
 
     def files_in(self, directory: str) -> tuple[str, ...]:
         """The source files directly in ``directory``, sorted (from disk too while the listing is
