@@ -487,7 +487,12 @@ class WorkspaceIndex:
         if text is None:
             self._drop(key, reason or "unreadable")
             return None
-        made = FileSummary(key, language_id, stamp[0], len(text), definitions(text, language_id, key))
+        try:
+            found = definitions(text, language_id, key)
+        except Exception:  # one file the parser trips on must not fail the request asking (logged)
+            log.warning("workspace index: no definitions for %s", key, exc_info=True)
+            found = ()
+        made = FileSummary(key, language_id, stamp[0], len(text), found)
         self._store(key, stamp, made)
         return made
 
