@@ -11,7 +11,6 @@ whose target lies outside every root is refused.
 
 from __future__ import annotations
 
-import codecs
 import logging
 import os
 import threading
@@ -20,26 +19,18 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from context.gitignore import GitignoreRules, IgnoreChain
-from context.languages import language_info, normalize_language_id
 from context.snippets import Definition, definitions
+from context.source_rules import (
+    SKIP_REASONS,
+    SKIPPED_DIRS,
+    VENV_MARKER,
+    GitignoreRules,
+    IgnoreChain,
+    classify_head,
+    source_language,
+)
 
 log = logging.getLogger(__name__)
-
-# Directories never listed: version control, dependencies, caches and build output.
-SKIPPED_DIRS = frozenset(
-    {
-        ".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", "build", "dist", "target",
-        ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".eggs",
-    }
-)
-VENV_MARKER = "pyvenv.cfg"  # a directory holding one is a virtualenv, whatever its name
-
-# Why a file was left out (the keys of IndexStats.skipped).
-SKIP_REASONS = (
-    "ignored", "skipped_dir", "virtualenv", "unknown_extension", "too_large", "binary", "not_utf8",
-    "unreadable", "vanished", "outside_root",
-)
 
 
 @dataclass(frozen=True)
@@ -120,14 +111,6 @@ def _read_head(path: str, limit: int) -> bytes:
         return stream.read(limit)
 
 
-def source_language(path: str) -> str | None:
-    """The language id of a source file by its extension; None for prose and unknown files."""
-    language_id = normalize_language_id("", path)
-    if language_id == "plaintext" or language_info(language_id).prose:
-        return None
-    return language_id
-
-
 def summary_cost(summary: FileSummary) -> int:
     """A summary's estimated size in bytes: string lengths plus ~64 bytes per object."""
     cost = 200 + len(summary.path)
@@ -138,17 +121,6 @@ def summary_cost(summary: FileSummary) -> int:
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-def _classify_head(head: bytes, probe: int) -> str | None:
-    """Why a file's first bytes disqualify it (binary, not UTF-8), or None."""
-    if b"\0" in head[:probe]:
-        return "binary"
-    try:  # an incremental decoder tolerates a character cut at the end of the probe
-        codecs.getincrementaldecoder("utf-8")().decode(head[:probe], final=False)
-    except UnicodeDecodeError:
-        return "not_utf8"
-    return None
 
 
 class WorkspaceIndex:
@@ -284,7 +256,7 @@ class WorkspaceIndex:
             return "vanished"
         except OSError:
             return "unreadable"
-        return _classify_head(head, self.limits.binary_probe_bytes)
+        return classify_head(head, self.limits.binary_probe_bytes)
 
     def _visit(self, state: _ScanState, directory: str, ignores: IgnoreChain) -> None:
         """Read one directory: its files become candidates, its subdirectories pending."""
@@ -349,21 +321,29 @@ class WorkspaceIndex:
         except OSError:
             return None
 
+    def _directory_rules(self, directory: str) -> tuple[str | None, IgnoreChain]:
+        """Why the listing leaves out everything in ``directory`` (None: it does not), and the
+        .gitignore rules of the directories above it."""
+        root = self._root_of(directory)
+        ignores: IgnoreChain = ()
+        current = root
+        for part in [p for p in os.path.relpath(directory, root).split(os.sep) if p not in ("", ".")]:
+            ignores = self._gitignores.extend(current, ignores)
+            current = os.path.join(current, part)
+            if part in SKIPPED_DIRS:
+                return "skipped_dir", ignores
+            if self._gitignores.ignored(current, True, ignores):
+                return "ignored", ignores
+            if os.path.isfile(os.path.join(current, VENV_MARKER)):
+                return "virtualenv", ignores
+        return None, ignores
+
     def _path_reason(self, key: str) -> str | None:
         """Why the listing would leave out the file at ``key``, from its directories and name."""
-        root = self._root_of(key)
-        ignores: IgnoreChain = ()
-        directory = root
-        relative_dirs = os.path.relpath(os.path.dirname(key), root).split(os.sep)
-        for part in [p for p in relative_dirs if p not in ("", ".")]:
-            ignores = self._gitignores.extend(directory, ignores)
-            directory = os.path.join(directory, part)
-            if part in SKIPPED_DIRS:
-                return "skipped_dir"
-            if self._gitignores.ignored(directory, True, ignores):
-                return "ignored"
-            if os.path.isfile(os.path.join(directory, VENV_MARKER)):
-                return "virtualenv"
+        directory = os.path.dirname(key)
+        reason, ignores = self._directory_rules(directory)
+        if reason is not None:
+            return reason
         if source_language(key) is None:
             return "unknown_extension"
         ignores = self._gitignores.extend(directory, ignores)
@@ -445,7 +425,7 @@ class WorkspaceIndex:
             return None, "unreadable"
         if len(data) > self.limits.max_file_bytes:
             return None, "too_large"
-        reason = _classify_head(data, self.limits.binary_probe_bytes)
+        reason = classify_head(data, self.limits.binary_probe_bytes)
         if reason is not None:
             return None, reason
         try:
@@ -528,13 +508,21 @@ class WorkspaceIndex:
     # freshness
 
     def refresh(self, path: str) -> bool:
-        """Re-read what the index knows of ``path`` (a file created, changed or deleted on disk);
-        return whether it is listed now. A changed .gitignore applies from the next :meth:`rescan`."""
+        """Re-read what the index knows of ``path`` (a file created, changed or deleted on disk, or
+        a directory created or deleted); return whether it is listed now (a created directory is
+        listed by the next :meth:`scan` steps). A changed .gitignore applies from the next
+        :meth:`rescan`."""
         key = self._key(path)
         if key is None:
             return False
         if os.path.basename(key) == ".gitignore":
             self._gitignores.forget(os.path.dirname(key))
+            return False
+        if os.path.isdir(key):  # a directory created (or checked out): listed by the next scan steps
+            reason, ignores = self._directory_rules(key)
+            with self._lock:
+                if reason is None and not self._scan.cap_hit:
+                    self._scan.pending_dirs.append((key, ignores))
             return False
         self._uncache(key)
         try:
@@ -560,13 +548,17 @@ class WorkspaceIndex:
             return True
 
     def forget(self, path: str) -> None:
-        """Drop ``path`` from the listing and the cache (a file deleted on disk)."""
+        """Drop ``path`` from the listing and the cache (a file deleted on disk; a deleted directory:
+        every file under it)."""
         key = self._key(path)
         if key is None:
             return
         with self._lock:
-            self._remove(key)
-        self._uncache(key)
+            gone = [key] if key in self._files else [p for p in self._files if p.startswith(key + os.sep)]
+            for file in gone:
+                self._remove(file)
+        for file in gone or [key]:
+            self._uncache(file)
 
     def set_override(self, path: str, text: str) -> bool:
         """Use ``text`` for ``path`` instead of the disk (an open document); False when the path
@@ -601,3 +593,7 @@ class WorkspaceIndex:
                 summary_budget_bytes=self.limits.summary_budget_bytes,
                 overrides=len(self._overrides),
             )
+
+
+__all__ = ["SKIPPED_DIRS", "SKIP_REASONS", "VENV_MARKER", "FileSummary", "IndexLimits", "IndexStats", "ScanProgress",
+           "WorkspaceIndex", "source_language", "summary_cost"]

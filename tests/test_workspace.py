@@ -246,3 +246,17 @@ def test_a_file_the_parser_trips_on_gets_an_empty_summary(tmp_path: Path) -> Non
     path = write(tmp_path, "run.sh", '(cd "$here" && make)\n')
     summary = scanned(tmp_path).summary(str(path))
     assert summary is not None and summary.definitions == ()
+
+
+def test_directories_created_and_deleted(tmp_path: Path) -> None:
+    write(tmp_path, ".gitignore", "gen/\n")
+    index = scanned(tmp_path)
+    write(tmp_path, "pkg/a.py")
+    write(tmp_path, "pkg/sub/b.py")
+    write(tmp_path, "gen/c.py")
+    assert not index.refresh(str(tmp_path / "pkg")) and not index.refresh(str(tmp_path / "gen"))
+    while not index.scan().done:
+        pass
+    assert listed(index, tmp_path) == ["pkg/a.py", "pkg/sub/b.py"]
+    index.forget(str(tmp_path / "pkg/sub"))
+    assert listed(index, tmp_path) == ["pkg/a.py"]

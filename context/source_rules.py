@@ -1,14 +1,53 @@
-"""A tree's .gitignore files, read as git reads them: patterns relative to the directory holding
-the file, the last matching pattern deciding, a deeper file's patterns after a shallower's."""
+"""Which files of a tree are source files to index: not in version control, dependency, cache or
+build directories, nor in a virtualenv, nor ignored by a .gitignore (read as git reads them:
+patterns relative to the directory holding the file, the last matching pattern deciding, a deeper
+file's patterns after a shallower's), with a known source extension, and text (no NUL, UTF-8)."""
 
 from __future__ import annotations
 
+import codecs
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pathspec
+
+from context.languages import language_info, normalize_language_id
+
+# Directories never listed: version control, dependencies, caches and build output.
+SKIPPED_DIRS = frozenset(
+    {
+        ".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", "build", "dist", "target",
+        ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".eggs",
+    }
+)
+VENV_MARKER = "pyvenv.cfg"  # a directory holding one is a virtualenv, whatever its name
+
+# Why a file was left out (the keys of IndexStats.skipped).
+SKIP_REASONS = (
+    "ignored", "skipped_dir", "virtualenv", "unknown_extension", "too_large", "binary", "not_utf8",
+    "unreadable", "vanished", "outside_root",
+)
+
+
+def source_language(path: str) -> str | None:
+    """The language id of a source file by its extension; None for prose and unknown files."""
+    language_id = normalize_language_id("", path)
+    if language_id == "plaintext" or language_info(language_id).prose:
+        return None
+    return language_id
+
+
+def classify_head(head: bytes, probe: int) -> str | None:
+    """Why a file's first bytes disqualify it (binary, not UTF-8), or None."""
+    if b"\0" in head[:probe]:
+        return "binary"
+    try:  # an incremental decoder tolerates a character cut at the end of the probe
+        codecs.getincrementaldecoder("utf-8")().decode(head[:probe], final=False)
+    except UnicodeDecodeError:
+        return "not_utf8"
+    return None
 
 
 @dataclass(frozen=True)
