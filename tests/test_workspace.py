@@ -241,10 +241,15 @@ def test_summaries_are_served_while_another_thread_scans(tmp_path: Path) -> None
     assert seen == 200 and index.stats().summaries_cached == 200
 
 
-def test_a_file_the_parser_trips_on_gets_an_empty_summary(tmp_path: Path) -> None:
-    # snippets._line_definitions raises IndexError on a line that starts with "(" (no grammar for shell)
+def test_a_file_the_parser_trips_on_gets_an_empty_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path, "run.sh", '(cd "$here" && make)\n')
-    summary = scanned(tmp_path).summary(str(path))
+    index = scanned(tmp_path)
+
+    def trip(*args: object, **kwargs: object) -> None:
+        raise IndexError("a parser bug")
+
+    monkeypatch.setattr("context.workspace.definitions", trip)
+    summary = index.summary(str(path))
     assert summary is not None and summary.definitions == ()
 
 
