@@ -74,7 +74,7 @@ class Strategy:
     """One way to complete: the prompt builder and the post-processing of its output."""
 
     builder: PromptBuilder
-    make_cutter: CutterFactory
+    cutter: CutterFactory
     # The plain baseline sends the text as it is: re-aligning a healed prompt's output is
     # post-processing, which it goes without.
     heal: bool
@@ -96,9 +96,6 @@ class Strategy:
         )
         return self.builder(request)
 
-    def cutter(self, site: CompletionSite, prompt: Prompt) -> Cutter:
-        return self.make_cutter(site, prompt)
-
 
 PROMPT_BUILDERS: dict[str, PromptBuilder] = {"ast": anchored_prompt, "naive": naive_prompt}
 POSTPROCESSING: dict[str, tuple[CutterFactory, bool]] = {"syntax": (syntax_cutter, True), "plain": (plain_cutter, False)}
@@ -107,5 +104,5 @@ POSTPROCESSING: dict[str, tuple[CutterFactory, bool]] = {"syntax": (syntax_cutte
 @lru_cache(maxsize=len(PROMPT_BUILDERS) * len(POSTPROCESSING))
 def strategy(prompt_strategy: str, postprocess: str) -> Strategy:
     """The strategy for the settings' ``promptStrategy`` and ``postprocess`` (validated by the settings)."""
-    make_cutter, heal = POSTPROCESSING[postprocess]
-    return Strategy(PROMPT_BUILDERS[prompt_strategy], make_cutter, heal)
+    cutter, heal = POSTPROCESSING[postprocess]
+    return Strategy(PROMPT_BUILDERS[prompt_strategy], cutter, heal)

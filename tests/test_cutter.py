@@ -119,3 +119,11 @@ def test_the_strategy_builds_the_prompt_from_the_site_and_picks_the_cutter() -> 
     plain = strategy("naive", "plain")
     assert isinstance(plain.cutter(site, plain.prompt(site, template, ApproxCounter(), budget)), PlainCutter)
     assert strategy("ast", "syntax") is ember  # resolved once per settings value
+
+
+def test_the_settings_offer_exactly_the_strategies_there_are() -> None:
+    # lsp/config.py spells the names out so that the stdio forwarder need not import the pipeline.
+    from context.baselines import POSTPROCESSING, PROMPT_BUILDERS
+    from lsp.config import _CHOICES
+
+    assert _CHOICES == {"prompt_strategy": tuple(PROMPT_BUILDERS), "postprocess": tuple(POSTPROCESSING)}
