@@ -28,6 +28,10 @@ Configurations, each its own ``python -m lsp --stdio`` process:
          same replay against two versions of ember in one run; the table's "server CPU ms / request"
          is the server process's CPU time over the replay per request (the engine core's process
          not included)
+  open, workspace: ember with ``crossFile: "open"`` (context from the other open documents) or
+         ``"workspace"`` (from the workspace folder's files); with ``--workspace DIR`` (a package
+         folder, e.g. one that ../shared/eval/fetch-crossfile-repos.sh unpacks) the servers get DIR
+         as their workspace folder and its files are replayed from disk
   eager, compiled: ember with ``engineArgs: {"enforce_eager": true | false}``: vLLM's eager mode
          (stdio's default on the CPU) against compiled mode (torch.compile; the TCP server's and
          the daemon's default); the table shows each one's engine start, ttft and decode rate.
@@ -85,6 +89,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # vLLM's execution mode, over the engineArgs setting (the engine starts with the editor's).
     "eager": {"reuse": True, "warmup": True, "promptStrategy": "ast", "engineArgs": {"enforce_eager": True}},
     "compiled": {"reuse": True, "warmup": True, "promptStrategy": "ast", "engineArgs": {"enforce_eager": False}},
+    # Cross-file context (with --workspace, the folder is the editor's workspace): the open
+    # documents only, or the workspace folder's files.
+    "open": {"reuse": True, "warmup": True, "promptStrategy": "ast", "crossFile": "open"},
+    "workspace": {"reuse": True, "warmup": True, "promptStrategy": "ast", "crossFile": "workspace"},
 }
 FAST_CACHE_MS = 10.0
 _FUNCTIONS = frozenset({"function_definition"})
@@ -331,8 +339,12 @@ async def start_server(name: str, args: argparse.Namespace) -> Server:
     client = LanguageClient("ember-replay", "0.1")
     started = time.perf_counter()
     await client.start_io(*command, cwd=str(root))
+    folder = {}
+    if args.workspace is not None:
+        uri = args.workspace.resolve().as_uri()
+        folder = {"root_uri": uri, "workspace_folders": [types.WorkspaceFolder(uri, args.workspace.name)]}
     await client.initialize_async(
-        types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options)
+        types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options, **folder)
     )
     client.initialized(types.InitializedParams())
     await wait_ready(client)
@@ -360,6 +372,26 @@ async def stop_server(server: Server) -> dict[str, Any]:
         "options": server.options,
         "server_summary": json.loads(json.dumps(summary, default=lambda o: o._asdict() if hasattr(o, "_asdict") else str(o))),
     }
+
+
+def file_uri(path: str, args: argparse.Namespace) -> str:
+    """A replayed file's URI: under --workspace, the file itself; else a made-up place."""
+    if args.workspace is not None:
+        return (args.workspace.resolve() / path).as_uri()
+    return f"file:///replay/{path}"
+
+
+def workspace_files(folder: Path, count: int) -> list[tuple[str, str]]:
+    """(path in the folder, text) of the first ``count`` of SOURCES that the folder holds (an
+    unpacked release with its import root on top: ``requests/utils.py``)."""
+    found = []
+    for _, wanted in SOURCES:
+        path = wanted.removeprefix("src/")
+        if (folder / path).is_file():
+            found.append((path, (folder / path).read_text(encoding="utf-8")))
+    if not found:
+        raise SystemExit(f"{folder} holds none of the replayed files ({', '.join(w for _, w in SOURCES)})")
+    return found[:count]
 
 
 async def replay(servers: list[Server], files: list[tuple[str, str, list[Body]]], args: argparse.Namespace) -> None:
@@ -392,12 +424,12 @@ async def replay(servers: list[Server], files: list[tuple[str, str, list[Body]]]
             continue
         path, text, _ = files[fi]
         editor = open_editor.get(server.name)
-        if editor is not None and editor.uri != f"file:///replay/{path}":
-            assert editor.text == files[[f[0] for f in files].index(editor.uri.removeprefix("file:///replay/"))][1]
+        if editor is not None and editor.uri != file_uri(path, args):
+            assert editor.text == next(f[1] for f in files if file_uri(f[0], args) == editor.uri)
             close(server)
             editor = None
         if editor is None:
-            editor = open_editor[server.name] = Editor(server.client, f"file:///replay/{path}", text, server.name, args)
+            editor = open_editor[server.name] = Editor(server.client, file_uri(path, args), text, server.name, args)
             editor.stats_total = server.stats_total
             editor.open()
         if previous is not None and previous is not server:
@@ -568,16 +600,22 @@ async def main() -> int:
     parser.add_argument("--switch-s", type=float, default=1.5, help="pause when the replay switches servers")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--configs", default="ember,off",
-                        help="comma-separated: ember, off, cold, eager, compiled; NAME@base runs NAME from --base")
+                        help="comma-separated: ember, off, cold, eager, compiled, open, workspace; NAME@base runs NAME from --base")
     parser.add_argument("--base", type=Path, help="another checkout (e.g. a git worktree of the previous commit) for NAME@base")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a vLLM engine argument for every server (repeatable), as ember --engine-arg")
     parser.add_argument("--model", default="bundled", help="passed to the server as --model (default: bundled, SmolLM2-135M)")
+    parser.add_argument("--workspace", type=Path,
+                        help="a package folder (e.g. bench/.cache/crossfile-repos/requests-2.32.3, laid out by "
+                        "../shared/eval/fetch-crossfile-repos.sh) that is the editor's workspace: its files are replayed")
     parser.add_argument("--out", default=str(RESULTS / "replay.json"))
     args = parser.parse_args()
 
     files: list[tuple[str, str, list[Body]]] = []
-    for spec, wanted in SOURCES[: args.files]:
+    if args.workspace is not None:
+        for path, text in workspace_files(args.workspace, args.files):
+            files.append((path, text, pick_bodies(path, text, args.bodies, args.seed)))
+    for spec, wanted in SOURCES[: args.files] if args.workspace is None else ():
         for path, text in read_sources(spec, (wanted,)):
             files.append((path, text, pick_bodies(path, text, args.bodies, args.seed)))
     for path, _, bodies in files:

@@ -90,7 +90,7 @@ class Strategy:
             template=template,
             counter=counter,
             budget=budget,
-            snippets=site.snippets,
+            cross_file=site.cross_file,
             heal=self.heal,
             memo=site.memo,
         )

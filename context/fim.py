@@ -29,6 +29,10 @@ class FimTemplate:
     # layout (prefix+suffix tokens, then the middle token).
     spm_lead: str | None = None
     spm_join: str | None = None
+    # The repository-level format's tokens, where the family was trained on one (before the FIM
+    # prefix: the repository's name, then each file after ``file_token`` and its path).
+    repo_token: str = ""
+    file_token: str = ""
 
     @property
     def has_fim(self) -> bool:
@@ -74,6 +78,8 @@ TEMPLATES: dict[str, FimTemplate] = {
             "<|fim_middle|>",
             "psm",
             ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>"),
+            repo_token="<|repo_name|>",
+            file_token="<|file_sep|>",
         ),
         FimTemplate(
             "starcoder2",

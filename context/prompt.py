@@ -38,12 +38,15 @@ from context.fim import PREFIX_ONLY, FimTemplate, neutralize_control_tokens
 from context.languages import language_info
 from context.memo import TextMemo
 from context.snippets import (
+    NO_CROSS_FILE,
+    CrossFile,
     Definition,
     Snippet,
     definitions,
     js_imports,
     module_keys,
     python_imports,
+    render_repository,
     render_snippets,
     select_snippets,
 )
@@ -71,7 +74,9 @@ except ImportError:  # pragma: no cover
 
 # Other modules import the window's and the snippets' names from here too.
 __all__ = [
+    "NO_CROSS_FILE",
     "ApproxCounter",
+    "CrossFile",
     "Definition",
     "PrefixKey",
     "Prompt",
@@ -248,7 +253,11 @@ def heal_cursor_line(line: str) -> tuple[str, str]:
     return kept, line[len(kept) :]
 
 
-def _assemble(parts: _Parts, uri: str, template: FimTemplate, snippets_head: str, heal: bool = False) -> Prompt:
+def _assemble(parts: _Parts, request: PromptRequest, snippets_head: str, repository: str = "") -> Prompt:
+    """``repository``: the cross-file block in the model's repository format (before the
+    template), else ``snippets_head`` (comments, inside the FIM prefix)."""
+    uri, template, heal = request.uri, request.template, request.heal
+
     def clean(part: str) -> str:
         return neutralize_control_tokens(part, template)
 
@@ -260,6 +269,7 @@ def _assemble(parts: _Parts, uri: str, template: FimTemplate, snippets_head: str
         cursor_line, healed = heal_cursor_line(cursor_line)
     prefix = above + clean(cursor_line)
     before, after = template.split(head, clean(parts.window_suffix))
+    before = repository + before
     stable = before + above
     key = PrefixKey(
         uri=uri,
@@ -312,7 +322,7 @@ class PromptRequest:
     template: FimTemplate = PREFIX_ONLY
     counter: TokenCounter | None = None
     budget: PromptBudget = PromptBudget()
-    snippets: Sequence[Snippet] = ()
+    cross_file: CrossFile = NO_CROSS_FILE
     heal: bool = False
     memo: TextMemo | None = None
 
@@ -374,9 +384,16 @@ def _scope_path(request: PromptRequest, starts: Sequence[int]) -> list[Node]:
 
 def _finish(request: PromptRequest, parts: _Parts, cpt: float) -> Prompt:
     """The parts, the other files' snippets and the template made into the prompt."""
+    cross_file, template = request.cross_file, request.template
+    max_chars = int(request.budget.snippet_tokens * cpt)
+    if cross_file.repo_name and template.file_token and template.has_fim:
+        def clean(part: str) -> str:
+            return neutralize_control_tokens(part, template)
+
+        repository = render_repository(cross_file, template.repo_token, template.file_token, max_chars, clean)
+        return _assemble(parts, request, "", repository)
     comment = language_info(request.language_id).line_comment
-    snippets_head = render_snippets(request.snippets, comment, int(request.budget.snippet_tokens * cpt))
-    return _assemble(parts, request.uri, request.template, snippets_head, request.heal)
+    return _assemble(parts, request, render_snippets(cross_file.snippets, comment, max_chars))
 
 
 def anchored_prompt(request: PromptRequest) -> Prompt:
@@ -490,7 +507,7 @@ def build_prompt(
             template=template,
             counter=counter,
             budget=budget,
-            snippets=snippets,
+            cross_file=CrossFile(tuple(snippets)),
             heal=heal,
         )
     )
@@ -501,4 +518,5 @@ def build_naive_prompt(text: str, offset: int, **options: Any) -> Prompt:
     fit ``prefix_tokens``) and, for FIM, the next N lines (cut to ``suffix_tokens``); no header,
     no syntax. The window slides by a line whenever the cursor's distance to its top outgrows
     the budget. Takes :func:`build_prompt`'s keyword arguments; same template handling and healing."""
-    return naive_prompt(PromptRequest(text, offset, **options))
+    snippets = options.pop("snippets", ())
+    return naive_prompt(PromptRequest(text, offset, cross_file=CrossFile(tuple(snippets)), **options))

@@ -14,7 +14,7 @@ from tree_sitter import Tree
 from context.document import Document
 from context.memo import TextMemo
 from context.postprocess import Mode, completion_mode
-from context.prompt import Snippet
+from context.prompt import NO_CROSS_FILE, CrossFile
 
 # Post-processing decides from the lines near the cursor, never from the whole file: this many
 # characters on each side are all it reads (the prompt builder picks its own, token-sized window).
@@ -34,11 +34,11 @@ class CompletionSite:
     prefix: str  # up to AROUND_CHARS before the cursor: what post-processing reads
     suffix: str  # up to AROUND_CHARS after the cursor
     mode: Mode  # one line or a block (context.postprocess.completion_mode)
-    snippets: tuple[Snippet, ...] = ()  # cross-file context, in prompt order
+    cross_file: CrossFile = NO_CROSS_FILE  # context from other files, in prompt order
     memo: TextMemo | None = None  # what is derived from ``text`` and kept across keystrokes (Document.memo)
 
 
-def site_at(doc: Document, offset: int, snippets: tuple[Snippet, ...] = ()) -> CompletionSite:
+def site_at(doc: Document, offset: int, cross_file: CrossFile = NO_CROSS_FILE) -> CompletionSite:
     """The site of a completion at ``offset`` in ``doc`` as it is now."""
     text = doc.text
     tree = doc.tree
@@ -46,4 +46,4 @@ def site_at(doc: Document, offset: int, snippets: tuple[Snippet, ...] = ()) -> C
     prefix = text[max(0, offset - AROUND_CHARS) : offset]
     suffix = text[offset : offset + AROUND_CHARS]
     mode = completion_mode(prefix, suffix, doc.language_id, tree=tree, cursor_byte=cursor_byte)
-    return CompletionSite(doc.uri, doc.language_id, text, offset, tree, cursor_byte, prefix, suffix, mode, snippets, doc.memo)
+    return CompletionSite(doc.uri, doc.language_id, text, offset, tree, cursor_byte, prefix, suffix, mode, cross_file, doc.memo)

@@ -6,7 +6,7 @@ prefix cache while the user types).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -26,6 +26,38 @@ class Snippet:
 
     path: str
     text: str
+
+
+@dataclass(frozen=True)
+class CrossFile:
+    """The cross-file block of a prompt: the snippets in prompt order and, for context from a
+    workspace folder, the folder's name and the current file's path in it (then a model with a
+    repository-level format gets it: Qwen2.5-Coder's ``<|repo_name|>`` / ``<|file_sep|>``)."""
+
+    snippets: tuple[Snippet, ...] = ()
+    repo_name: str = ""
+    path: str = ""
+
+
+NO_CROSS_FILE = CrossFile()
+
+
+def render_repository(
+    cross_file: CrossFile, repo_token: str, file_token: str, max_chars: int, clean: Callable[[str], str]
+) -> str:
+    """The snippets in a repository-level format: the folder's name, each file after a file token
+    and the current file's path last, where the prompt's prefix follows; files are left out from
+    the end when ``max_chars`` is spent. ``clean`` makes document text safe for the prompt."""
+    tail = f"{file_token}{clean(cross_file.path)}\n"
+    parts = [f"{repo_token}{clean(cross_file.repo_name)}\n"]
+    used = len(parts[0]) + len(tail)
+    for snippet in cross_file.snippets:
+        block = f"{file_token}{clean(snippet.path)}\n{clean(snippet.text.rstrip())}\n"
+        if used + len(block) > max_chars:
+            break
+        parts.append(block)
+        used += len(block)
+    return "".join(parts) + tail if len(parts) > 1 else ""
 
 
 def render_snippets(snippets: Sequence[Snippet], comment: str, max_chars: int) -> str:
@@ -250,16 +282,19 @@ def _signature(wrapper: Node, data: bytes, language_id: str, depth: int = 0) -> 
     return pad + _node_text(data, start, _header_end(body)).rstrip() + _elide(language_id)
 
 
-def definitions(text: str, language_id: str, path: str = "", memo: TextMemo | None = None) -> tuple[Definition, ...]:
+def definitions(
+    text: str, language_id: str, path: str = "", memo: TextMemo | None = None, *, private: bool = False
+) -> tuple[Definition, ...]:
     """Top-level definitions of a source file in file order (remembered in ``memo``, the memo of
-    the document whose text ``text`` is, when given)."""
+    the document whose text ``text`` is, when given). ``private``: Python's ``_names`` too (an
+    import can name them; an open tab's outline leaves them out)."""
     memo = memo if memo is not None and memo.describes(text) else None
-    what = (path, language_id)
+    what = (path, language_id, private)
     cached = memo.derived("definitions", 0, len(text), what) if memo is not None else None
     if isinstance(cached, tuple):
         return cached
     parser = parser_for(language_id)
-    result = _line_definitions(text) if parser is None else _tree_definitions(text, language_id, parser)
+    result = _line_definitions(text) if parser is None else _tree_definitions(text, language_id, parser, private)
     if memo is not None:
         memo.remember("definitions", 0, len(text), what, result)
     return result
@@ -275,7 +310,7 @@ def _line_definitions(text: str) -> tuple[Definition, ...]:
     return tuple(result)
 
 
-def _tree_definitions(text: str, language_id: str, parser: Parser) -> tuple[Definition, ...]:
+def _tree_definitions(text: str, language_id: str, parser: Parser, private: bool = False) -> tuple[Definition, ...]:
     result: list[Definition] = []
     data = text.encode("utf-8", "surrogatepass")
     for child in parser.parse(data).root_node.named_children:
@@ -284,7 +319,7 @@ def _tree_definitions(text: str, language_id: str, parser: Parser) -> tuple[Defi
             continue
         node = _unwrap(child)
         name = _name_of(node)
-        if not name or (language_id == "python" and name.startswith("_")):
+        if not name or (language_id == "python" and name.startswith("_") and not (private and name != "_")):
             continue
         if node.type == "expression_statement" and child.end_byte - child.start_byte > _DATA_LIMIT:
             continue  # long module-level statements are code, not declarations

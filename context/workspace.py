@@ -139,6 +139,7 @@ class WorkspaceIndex:
         self._summary_bytes = 0
         self._overrides: dict[str, tuple[int, str]] = {}  # path -> (version, text)
         self._override_version = 0
+        self._generation = 0  # counts changes to the listing and to files on disk that were reported
         self._gitignores = GitignoreRules(self._gitignore_text)
         self._scan = self._fresh_scan()
 
@@ -179,6 +180,7 @@ class WorkspaceIndex:
             self._skipped.clear()
             self._gitignores.clear()
             self._scan = self._fresh_scan()
+            self._generation += 1
 
     def scan(self, max_files: int | None = None, deadline_s: float | None = None) -> ScanProgress:
         """List more files: until ``max_files`` more are listed, ``deadline_s`` seconds pass, or
@@ -234,13 +236,21 @@ class WorkspaceIndex:
             self._add(candidate.path, candidate.language_id)
             return 1
 
+    @property
+    def generation(self) -> int:
+        """A number that changes whenever the listing does or a file is refreshed or forgotten (what
+        was derived from the index may be stale then)."""
+        return self._generation
+
     def _add(self, path: str, language_id: str) -> None:
+        self._generation += 1
         self._files[path] = language_id
         self._by_dir.setdefault(os.path.dirname(path), set()).add(path)
 
     def _remove(self, path: str) -> bool:
         if self._files.pop(path, None) is None:
             return False
+        self._generation += 1
         siblings = self._by_dir.get(os.path.dirname(path))
         if siblings is not None:
             siblings.discard(path)
@@ -468,7 +478,7 @@ class WorkspaceIndex:
             self._drop(key, reason or "unreadable")
             return None
         try:
-            found = definitions(text, language_id, key)
+            found = definitions(text, language_id, key, private=True)
         except Exception:  # one file the parser trips on must not fail the request asking (logged)
             log.warning("workspace index: no definitions for %s", key, exc_info=True)
             found = ()
@@ -525,6 +535,8 @@ class WorkspaceIndex:
                     self._scan.pending_dirs.append((key, ignores))
             return False
         self._uncache(key)
+        with self._lock:
+            self._generation += 1
         try:
             size = os.stat(key).st_size
             reason = self._path_reason(key) or self._probe(key, size)
@@ -554,6 +566,7 @@ class WorkspaceIndex:
         if key is None:
             return
         with self._lock:
+            self._generation += 1
             gone = [key] if key in self._files else [p for p in self._files if p.startswith(key + os.sep)]
             for file in gone:
                 self._remove(file)

@@ -23,7 +23,7 @@ from cachetools import LRUCache
 from context.baselines import Cutter, Strategy, strategy
 from context.document import Document
 from context.fim import FimTemplate, choose_template
-from context.prompt import Prompt, PromptBudget, Snippet
+from context.prompt import NO_CROSS_FILE, CrossFile, Prompt, PromptBudget
 from context.site import CompletionSite, site_at
 from engine.base import Engine, EngineError, EngineNotReady, GenerationParams
 from lsp.config import Settings
@@ -158,7 +158,7 @@ class Completer:
         offset: int,
         settings: Settings,
         *,
-        snippets: tuple[Snippet, ...] = (),
+        cross_file: CrossFile = NO_CROSS_FILE,
         on_text: Callable[[str], None] | None = None,
     ) -> Completion:
         """The text to insert at ``offset``; "" when there is nothing useful (engine trouble does not
@@ -185,8 +185,9 @@ class Completer:
             metrics.outcome = "loading"
             return Completion("", metrics.finish(started))
 
-        site = site_at(doc, offset, snippets)
+        site = site_at(doc, offset, cross_file)
         metrics.mode = site.mode
+        metrics.cross_file = [snippet.path for snippet in cross_file.snippets]
         chosen = strategy(settings.prompt_strategy, settings.postprocess)
         prompt = self._prompt(engine, site, settings, chosen)
         cache_key = _cache_key(prompt, site.mode, settings, site.suffix)
@@ -284,23 +285,23 @@ class Completer:
             self._suggestions[key] = (last[0], final)
 
     def prompt_for(
-        self, engine: Engine, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()
+        self, engine: Engine, doc: Document, offset: int, settings: Settings, cross_file: CrossFile = NO_CROSS_FILE
     ) -> Prompt:
         """The prompt a completion at ``offset`` would send (the benchmarks read it too)."""
         chosen = strategy(settings.prompt_strategy, settings.postprocess)
-        return self._prompt(engine, site_at(doc, offset, snippets), settings, chosen)
+        return self._prompt(engine, site_at(doc, offset, cross_file), settings, chosen)
 
     def _prompt(self, engine: Engine, site: CompletionSite, settings: Settings, chosen: Strategy) -> Prompt:
         template = self.template_for(engine, settings.fim_template)
         return chosen.prompt(site, template, engine.tokenizer, prompt_budget(settings, engine.model.max_model_len))
 
-    async def warm(self, doc: Document, offset: int, settings: Settings, snippets: tuple[Snippet, ...] = ()) -> bool:
+    async def warm(self, doc: Document, offset: int, settings: Settings, cross_file: CrossFile = NO_CROSS_FILE) -> bool:
         """Prefill the stable part of the prompt at ``offset`` (one output token) so the next real
         request only prefills its tail. Skipped while any completion runs: never competes."""
         engine = self.engine_source()
         if engine is None or not engine.ready or self.busy or not settings.warmup:
             return False
-        prompt = self.prompt_for(engine, doc, offset, settings, snippets)
+        prompt = self.prompt_for(engine, doc, offset, settings, cross_file)
         stable = prompt.text[: prompt.stable_chars]
         if len(stable) < 64:
             return False
@@ -415,6 +416,7 @@ def prompt_budget(settings: Settings, max_model_len: int) -> PromptBudget:
         settings.max_tokens,
         prefix_tokens=settings.context_tokens,
         suffix_tokens=settings.suffix_tokens,
+        snippet_tokens=settings.cross_file_tokens,
     )
 
 

@@ -40,9 +40,10 @@ class Settings:
     temperature: float = 0.0
     debounce_ms: int = 0
     # Prompt budgets; None: a share of the engine's max_model_len (context.prompt.PromptBudget.for_model:
-    # 1024 and 256 at 2048 tokens). A crossFileTokens budget would sit beside them.
+    # 1024 and 256 at 2048 tokens; crossFileTokens: the context from other files, 256).
     context_tokens: int | None = None
     suffix_tokens: int | None = None
+    cross_file_tokens: int | None = None
     timeout_ms: int = 15000
     # Multi-line completions: after this long, answer with the lines complete so far and let the
     # engine finish into the cache (accepting them then shows the rest at once). 0 = wait for all.
@@ -55,7 +56,9 @@ class Settings:
     # Per connection; editors ask at most a few times a second, so this only stops a runaway client
     # from starving the other editors sharing the engine. 0 = no limit.
     max_requests_per_second: float = 20.0
-    cross_file: bool = True
+    # Context from other files: "workspace" (the workspace folders' files, open documents
+    # included, ranked for the cursor), "open" (open documents only) or "off".
+    cross_file: str = "workspace"
     # Switches for benchmarks that measure what each idea buys (all on for users).
     prompt_strategy: str = "ast"  # "ast": anchored syntax-aware window; "naive": last N lines + next N
     reuse: bool = True  # completion cache, typed-through reuse, attaching to in-flight generations
@@ -77,13 +80,20 @@ _LIMITS: dict[str, tuple[type, float | None, float | None]] = {
     "debounce_ms": (int, 0, 5000),
     "context_tokens": (int, 16, 131072),
     "suffix_tokens": (int, 0, 131072),
+    "cross_file_tokens": (int, 0, 131072),
     "timeout_ms": (int, 100, 600000),
     "early_answer_ms": (int, 0, 600000),
     "max_document_bytes": (int, 1024, 1 << 31),
     "max_requests_per_second": (float, 0.0, 10000.0),
 }
 
-_CHOICES: dict[str, tuple[str, ...]] = {"prompt_strategy": ("ast", "naive"), "postprocess": ("syntax", "plain")}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "prompt_strategy": ("ast", "naive"),
+    "postprocess": ("syntax", "plain"),
+    "cross_file": ("off", "open", "workspace"),
+}
+# Values that older settings used, read as today's.
+_ALIASES: dict[str, dict[bool, str]] = {"cross_file": {True: "workspace", False: "off"}}
 
 _FIELDS = {f.name for f in dataclasses.fields(Settings)}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
@@ -186,7 +196,9 @@ def _validate(key: str, value: Any, source: str, raw_key: str) -> Any:
             if not re.match(r"^https?://[^\s/]+", url):
                 raise ConfigError(f"{where}: {url!r} is not an http(s) URL")
         return tuple(urls)
-    if key in ("context_tokens", "suffix_tokens") and value is None:
+    if key in _ALIASES and isinstance(value, bool):
+        return _ALIASES[key][value]
+    if key in ("context_tokens", "suffix_tokens", "cross_file_tokens") and value is None:
         return None  # back to the share of the model's context
     if key in ("model", "fim_template"):
         if value is not None and not isinstance(value, str):

@@ -24,6 +24,7 @@ from engine.models import LoadProgress
 from lsp.completer import Completer
 from lsp.config import Settings, vllm_flags
 from lsp.metrics import Metrics
+from lsp.workspaces import IndexRegistry
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class EmberCore:
         self.engine_starts = 0
         # What the process serving this core says of itself in ember/stats (the daemon sets it).
         self.host_info: Callable[[], dict[str, Any]] | None = None
+        # The workspace folders' indexes, shared by the sessions (editors) that have them open.
+        self.indexes = IndexRegistry()
         self.metrics = Metrics()
         self.memory_baseline: tracemalloc.Snapshot | None = None
         self.completer = Completer(lambda: self.engine, self.metrics)

@@ -41,6 +41,7 @@ from lsp.session import (
     RateLimit,
     import_lines,
 )
+from lsp.workspaces import folder_paths, uri_path
 
 # Names other modules, tests and benchmarks import from here (their homes are the modules above).
 __all__ = [
@@ -88,6 +89,7 @@ def initialize(ls: EmberServer, params: types.InitializeParams) -> None:
     except ConfigError as exc:
         ls.settings = ls.core.settings
         ls.notify_user(f"{exc}; using defaults")
+    ls.folders.add(folder_paths(params))
 
 
 async def initialized(ls: EmberServer, params: types.InitializedParams) -> None:
@@ -102,7 +104,44 @@ async def initialized(ls: EmberServer, params: types.InitializedParams) -> None:
             "the ones in your settings are not used (pass them where ember is started)",
             types.MessageType.Warning,
         )
+    await watch_files(ls)
     await report_loading(ls)
+
+
+async def watch_files(ls: EmberServer) -> None:
+    """Asks the editor to report file changes under the workspace folders (dynamic registration,
+    where the client allows it); didSave and mtime checks keep the index fresh otherwise."""
+    capabilities = ls.client_capabilities.workspace
+    watched = capabilities.did_change_watched_files if capabilities else None
+    if not ls.folders.indexes() or watched is None or not watched.dynamic_registration:
+        return
+    options = types.DidChangeWatchedFilesRegistrationOptions(watchers=[types.FileSystemWatcher(glob_pattern="**/*")])
+    registration = types.Registration(str(uuid.uuid4()), types.WORKSPACE_DID_CHANGE_WATCHED_FILES, options)
+    try:
+        await asyncio.wait_for(ls.client_register_capability_async(types.RegistrationParams([registration])), 10)
+    except Exception as exc:  # noqa: BLE001 - the editor said no or never answered: didSave and mtimes still work
+        log.info("the editor did not register the file watcher: %s", exc)
+
+
+def did_change_workspace_folders(ls: EmberServer, params: types.DidChangeWorkspaceFoldersParams) -> None:
+    """Folders added to or removed from the editor's workspace."""
+    ls.folders.remove(p for p in (uri_path(f.uri) for f in params.event.removed) if p)
+    ls.folders.add(p for p in (uri_path(f.uri) for f in params.event.added) if p)
+
+
+async def did_change_watched_files(ls: EmberServer, params: types.DidChangeWatchedFilesParams) -> None:
+    """Files created, changed or deleted on disk (by the editor's watcher)."""
+    for change in params.changes:
+        path = uri_path(change.uri)
+        if path is not None:
+            await ls.folders.file_changed(path, deleted=change.type == types.FileChangeType.Deleted)
+
+
+async def did_save(ls: EmberServer, params: types.DidSaveTextDocumentParams) -> None:
+    """The saved text is on disk now: the index reads it again."""
+    path = uri_path(params.text_document.uri)
+    if path is not None:
+        await ls.folders.file_changed(path, deleted=False)
 
 
 def shutdown(ls: EmberServer, params: Any) -> None:
@@ -147,6 +186,7 @@ def did_change(ls: EmberServer, params: types.DidChangeTextDocumentParams) -> No
 def did_close(ls: EmberServer, params: types.DidCloseTextDocumentParams) -> None:
     """Forgets the document and what the completer kept for it."""
     ls.documents.pop(params.text_document.uri, None)
+    ls.forget_context(params.text_document.uri)
     ls.core.completer.forget((id(ls), params.text_document.uri))
 
 
@@ -203,6 +243,7 @@ def stats(ls: EmberServer, params: Any) -> dict[str, Any]:
     summary["engine"] = engine_state(ls)
     summary["process"] = {"pid": os.getpid(), **process_memory(core)}
     summary["daemon"] = core.host_info() if core.host_info is not None else None
+    summary["workspace"] = ls.folders.stats()
     return summary
 
 
@@ -215,6 +256,9 @@ FEATURES: tuple[tuple[str, Callable[..., Any], Any], ...] = (
     (types.TEXT_DOCUMENT_DID_CHANGE, did_change, None),
     (types.TEXT_DOCUMENT_DID_CLOSE, did_close, None),
     (types.WORKSPACE_DID_CHANGE_CONFIGURATION, did_change_configuration, None),
+    (types.WORKSPACE_DID_CHANGE_WORKSPACE_FOLDERS, did_change_workspace_folders, None),
+    (types.WORKSPACE_DID_CHANGE_WATCHED_FILES, did_change_watched_files, None),
+    (types.TEXT_DOCUMENT_DID_SAVE, did_save, None),
     (
         types.TEXT_DOCUMENT_COMPLETION,
         completion,

@@ -20,18 +20,26 @@ from pygls.exceptions import JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
 from context.document import Document, PositionError, utf16_position
-from context.prompt import Snippet, select_snippets
+from context.prompt import CrossFile, Snippet, select_snippets
+from context.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_key, workspace_context
 from lsp import VERSION
 from lsp.completer import prompt_budget
 from lsp.engine_host import EmberCore, close_and_exit
 from lsp.metrics import RequestMetrics
 from lsp.protocol import EmberProtocol, UnknownDocument, stop_reading
+from lsp.workspaces import SessionFolders, uri_path
 
 log = logging.getLogger(__name__)
 
 # The context size the snippet budget assumes before an engine says its own.
 DEFAULT_MAX_MODEL_LEN = 2048
 SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
+# A request waits this long for context from the workspace (reading and parsing files the first
+# time); a slower retrieval finishes in the background for the next request.
+RETRIEVAL_WAIT_S = 0.3
+# Retrieved context is checked again after this long even when nothing reported a change (a file
+# changed on disk without a watcher event); an unchanged result gives the same prompt.
+RETRIEVAL_TTL_S = 60.0
 
 
 IMPORT_STARTS = ("import ", "from ", "#include", "use ", "require(")
@@ -82,6 +90,9 @@ class EmberServer(LanguageServer):
         self.authorized = token is None
         self._warmups: dict[str, asyncio.Task[Any]] = {}
         self._snippets: tuple[Any, tuple[Snippet, ...]] = (None, ())
+        self.folders = SessionFolders(core.indexes)
+        self._retrieved: dict[str, tuple[Any, CrossFile]] = {}  # uri -> (key, context)
+        self._retrieving: dict[str, asyncio.Task[CrossFile]] = {}
         self.exit_task: asyncio.Task[None] | None = None
         self._messages_shown: set[str] = set()
 
@@ -93,6 +104,7 @@ class EmberServer(LanguageServer):
 
     def on_exit(self) -> None:
         self.cancel_work()
+        self.folders.close()
         stop_reading(self)
 
     def report_server_error(self, error: Exception, source: Any) -> None:
@@ -158,17 +170,71 @@ class EmberServer(LanguageServer):
         async def later() -> None:
             await asyncio.sleep(delay_s)
             if self.core.check_engine() and self.documents.get(doc.uri) is doc:
-                await self.core.completer.warm(doc, offset, self.settings, self.other_files(doc))
+                await self.core.completer.warm(doc, offset, self.settings, await self.cross_file(doc, offset))
 
         self._warmups[doc.uri] = asyncio.ensure_future(later())
+
+    def snippet_chars(self) -> int:
+        engine = self.core.engine
+        return prompt_budget(self.settings, engine.model.max_model_len if engine else DEFAULT_MAX_MODEL_LEN).snippet_chars
+
+    async def cross_file(self, doc: Document, offset: int) -> CrossFile:
+        """Context from other files for the cursor: from the workspace folder holding the document
+        (crossFile "workspace"), else from the other open documents."""
+        if self.settings.cross_file == "off":
+            return CrossFile()
+        path = uri_path(doc.uri)
+        index = self.folders.index_for(path) if path and self.settings.cross_file == "workspace" else None
+        if path is None or index is None:
+            return CrossFile(self.other_files(doc))
+        max_chars = self.snippet_chars()
+        others = tuple((uri, d.version) for uri, d in self.documents.items() if uri != doc.uri)
+        key = (import_lines(doc.text), retrieval_key(doc.text, offset), others, index.generation, max_chars,
+               int(time.monotonic() // RETRIEVAL_TTL_S))
+        kept = self._retrieved.get(doc.uri)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        task = self._retrieving.get(doc.uri)
+        if task is None or task.done():
+            task = self._retrieving[doc.uri] = asyncio.ensure_future(self._retrieve(doc, offset, path, index, key, max_chars))
+        done, _ = await asyncio.wait({task}, timeout=RETRIEVAL_WAIT_S)
+        if task in done and not task.cancelled() and task.exception() is None:
+            return task.result()
+        return kept[1] if kept is not None else CrossFile()
+
+    async def _retrieve(self, doc: Document, offset: int, path: str, index: Any, key: Any, max_chars: int) -> CrossFile:
+        """Retrieval in a worker thread (it reads and parses files), remembered under ``key``."""
+        open_files = {p: OpenFile(d.text, d.language_id) for p, d in self._open_paths()}
+        cursor = Cursor(path, doc.text, offset, doc.language_id)
+        try:
+            found = await asyncio.to_thread(workspace_context, WorkspaceView(index, open_files), cursor, max_chars)
+        except Exception:  # context is a help: a failure costs it, not the completion (logged)
+            log.exception("workspace context for %s failed", doc.uri)
+            found = CrossFile()
+        self._retrieved[doc.uri] = (key, found)
+        return found
+
+    def forget_context(self, uri: str) -> None:
+        """Drops what was retrieved for a closed document."""
+        self._retrieved.pop(uri, None)
+        task = self._retrieving.pop(uri, None)
+        if task is not None:
+            task.cancel()
+
+    def _open_paths(self) -> list[tuple[str, Document]]:
+        found = []
+        for uri, d in self.documents.items():
+            path = uri_path(uri)
+            if path is not None:
+                found.append((path, d))
+        return found
 
     def other_files(self, current: Document) -> tuple[Snippet, ...]:
         """Context from the other open documents (what the current file imports first), in a
         stable order so that it stays in the engine's prefix cache."""
-        if not self.settings.cross_file or len(self.documents) < 2:
+        if len(self.documents) < 2:
             return ()
-        engine = self.core.engine
-        max_chars = prompt_budget(self.settings, engine.model.max_model_len if engine else DEFAULT_MAX_MODEL_LEN).snippet_chars
+        max_chars = self.snippet_chars()
         others = tuple((uri, doc.version) for uri, doc in self.documents.items() if uri != current.uri)
         key = (current.uri, others, import_lines(current.text), max_chars)
         if self._snippets[0] != key:
@@ -201,7 +267,7 @@ class EmberServer(LanguageServer):
                 self.notify_user(f"the engine is not available: {self.core.engine_error}")
             return ""
         result = await self.core.completer.complete(
-            (id(self), uri), doc, offset, self.settings, snippets=self.other_files(doc), on_text=on_text
+            (id(self), uri), doc, offset, self.settings, cross_file=await self.cross_file(doc, offset), on_text=on_text
         )
         if result.metrics.outcome == "error":
             self.notify_user("the engine failed to generate; see the log", types.MessageType.Warning)

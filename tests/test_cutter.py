@@ -126,4 +126,5 @@ def test_the_settings_offer_exactly_the_strategies_there_are() -> None:
     from context.baselines import POSTPROCESSING, PROMPT_BUILDERS
     from lsp.config import _CHOICES
 
-    assert _CHOICES == {"prompt_strategy": tuple(PROMPT_BUILDERS), "postprocess": tuple(POSTPROCESSING)}
+    assert _CHOICES["prompt_strategy"] == tuple(PROMPT_BUILDERS)
+    assert _CHOICES["postprocess"] == tuple(POSTPROCESSING)

@@ -787,7 +787,7 @@ def test_definitions_are_remembered_with_their_document():
     other = Document("file:///src/pkg/util.py", "python", "def helper(x):\n    return x\n")
     picked = select_snippets("from pkg.util import helper\n", "python", [(other.uri, other.text)], 500, {other.uri: other.memo})
     assert picked == select_snippets("from pkg.util import helper\n", "python", [(other.uri, other.text)], 500)
-    assert other.memo.derived("definitions", 0, len(other.text), (other.uri, "python")) is not None
+    assert other.memo.derived("definitions", 0, len(other.text), (other.uri, "python", False)) is not None
 
 
 # ------------------------------------------------------------------------------------------------

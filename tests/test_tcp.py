@@ -14,7 +14,7 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pygls.lsp.client import LanguageClient
 
-from tests.conftest import EAGER, client_capabilities, stats, wait_ready
+from tests.conftest import EAGER, client_capabilities, plain, stats, wait_ready
 
 SAME_URI = "file:///work/shared_name.py"
 
@@ -150,5 +150,119 @@ async def test_engine_settings_of_a_later_editor_are_reported_as_not_used(tcp_se
             await asyncio.sleep(0.1)
         assert any("already started with its own engineArgs" in m for m in messages), messages
         assert engine["max_model_len"] == 2048
+    finally:
+        await disconnect(client)
+
+
+def workspace_params(root, options=None, watch=False) -> types.InitializeParams:
+    capabilities = client_capabilities()
+    if watch:
+        capabilities.workspace = types.WorkspaceClientCapabilities(
+            did_change_watched_files=types.DidChangeWatchedFilesClientCapabilities(dynamic_registration=True)
+        )
+    return types.InitializeParams(
+        capabilities=capabilities,
+        initialization_options=options or {},
+        root_uri=root.as_uri(),
+        workspace_folders=[types.WorkspaceFolder(root.as_uri(), root.name)],
+    )
+
+
+async def connect_in(address, root, watch=False) -> tuple[LanguageClient, list[types.RegistrationParams]]:
+    """A session whose workspace folder is ``root``; the file-watcher registrations it is sent."""
+    client = LanguageClient("tcp-test", "1")
+    registrations: list[types.RegistrationParams] = []
+
+    @client.feature(types.CLIENT_REGISTER_CAPABILITY)
+    def register(params: types.RegistrationParams) -> None:
+        registrations.append(params)
+
+    await client.start_tcp(*address)
+    await client.initialize_async(workspace_params(root, {"maxTokens": 8}, watch))
+    client.initialized(types.InitializedParams())
+    return client, registrations
+
+
+async def listed(client, files: int) -> dict:
+    for _ in range(100):
+        current = await stats(client)
+        if current["workspace"]["scan_done"] and current["workspace"]["files"] >= files:
+            return current["workspace"]
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the workspace was not listed: {current['workspace']}")
+
+
+async def cross_file_of(client, uri, text) -> list[str]:
+    """Completes at the end of ``text`` (opened as ``uri``); the other files the prompt used."""
+    client.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", 1, text)))
+    await inline(client, uri, text.count("\n"), len(text.rsplit("\n", 1)[1]))
+    last = plain(await client.protocol.send_request_async("ember/stats", {"uri": uri}))["last_for_uri"]
+    client.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri)))
+    return last["cross_file"]
+
+
+MAIN_TEXT = "from alpha import alpha_rate\nfrom beta import beta_rate\n\n\ndef total(x):\n    return "
+
+
+async def test_two_sessions_with_different_roots_see_only_their_own_files(tcp_server, tmp_path):
+    roots = {}
+    for name in ("alpha", "beta"):
+        root = roots[name] = tmp_path / f"root_{name}"
+        root.mkdir()
+        (root / f"{name}.py").write_text(f"def {name}_rate(x: float) -> float:\n    return x * 2\n")
+    first, _ = await connect_in(tcp_server, roots["alpha"])
+    second, _ = await connect_in(tcp_server, roots["beta"])
+    try:
+        await wait_ready(first)
+        assert (await listed(first, 1))["roots"] == [str(roots["alpha"])]
+        assert (await listed(second, 1))["roots"] == [str(roots["beta"])]
+        # The same imports in both: each session's prompt has only its own folder's file.
+        assert await cross_file_of(first, (roots["alpha"] / "main.py").as_uri(), MAIN_TEXT) == ["alpha.py"]
+        assert await cross_file_of(second, (roots["beta"] / "main.py").as_uri(), MAIN_TEXT) == ["beta.py"]
+        # A document outside the session's folders gets no workspace context.
+        assert await cross_file_of(first, (roots["beta"] / "main.py").as_uri(), MAIN_TEXT) == []
+        # The editor swaps its folder: now the other one's files.
+        first.workspace_did_change_workspace_folders(
+            types.DidChangeWorkspaceFoldersParams(
+                types.WorkspaceFoldersChangeEvent(
+                    added=[types.WorkspaceFolder(roots["beta"].as_uri(), "beta")],
+                    removed=[types.WorkspaceFolder(roots["alpha"].as_uri(), "alpha")],
+                )
+            )
+        )
+        assert (await listed(first, 1))["roots"] == [str(roots["beta"])]
+        assert await cross_file_of(first, (roots["beta"] / "main.py").as_uri(), MAIN_TEXT) == ["beta.py"]
+    finally:
+        for client in (first, second):
+            await disconnect(client)
+
+
+async def test_a_file_created_on_disk_is_used_after_the_watcher_reports_it(tcp_server, tmp_path):
+    root = tmp_path / "watched"
+    root.mkdir()
+    (root / "main.py").write_text("")
+    client, registrations = await connect_in(tcp_server, root, watch=True)
+    try:
+        await wait_ready(client)
+        await listed(client, 1)
+        assert [r.method for p in registrations for r in p.registrations] == [types.WORKSPACE_DID_CHANGE_WATCHED_FILES]
+        text = "from gamma import gamma_rate\n\n\ndef total(x):\n    return "
+        uri = (root / "main.py").as_uri()
+        assert await cross_file_of(client, uri, text) == []  # gamma.py does not exist yet
+        (root / "gamma.py").write_text("def gamma_rate(x: float) -> float:\n    return x / 2\n")
+        client.workspace_did_change_watched_files(
+            types.DidChangeWatchedFilesParams([types.FileEvent((root / "gamma.py").as_uri(), types.FileChangeType.Created)])
+        )
+        await listed(client, 2)
+        assert await cross_file_of(client, uri, text) == ["gamma.py"]
+        (root / "gamma.py").unlink()
+        client.workspace_did_change_watched_files(
+            types.DidChangeWatchedFilesParams([types.FileEvent((root / "gamma.py").as_uri(), types.FileChangeType.Deleted)])
+        )
+        for _ in range(50):
+            if (await stats(client))["workspace"]["files"] == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert await cross_file_of(client, uri, text) == []
     finally:
         await disconnect(client)

@@ -1,0 +1,131 @@
+"""Does the workspace index add anything to single-file prompts? Every case of the HumanEval and
+SAFIM dev sets is laid out as a workspace folder holding only its file, and its prompt is built
+with ``crossFile: "workspace"`` (retrieval through a real WorkspaceIndex) and without cross-file
+context; with ``--base DIR`` also by the checkout in DIR (today's code, without cross-file
+context, through the ``build_prompt`` API both share). Identical prompts give identical greedy
+completions, so a count of 0 differing prompts means the dev quality cannot move.
+
+    .venv/bin/python bench/workspace_noise.py [--base /path/to/checkout] [--limit N]
+
+Prompts: the anchored AST prompt, Qwen2.5-Coder's template, the default budgets at 2048 tokens,
+ember's character-based token estimate. Writes bench/results/workspace-noise.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from context.document import Document  # noqa: E402
+from context.fim import TEMPLATES  # noqa: E402
+from context.languages import normalize_language_id  # noqa: E402
+from context.prompt import PromptBudget, PromptRequest, anchored_prompt, build_prompt  # noqa: E402
+from context.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context  # noqa: E402
+from context.workspace import WorkspaceIndex  # noqa: E402
+
+EVAL = ROOT.parent / "shared" / "eval"
+SETS = ("humaneval_infilling_dev.jsonl", "safim_dev.jsonl")
+EXTENSIONS = {"python": ".py", "cpp": ".cpp", "java": ".java", "csharp": ".cs", "c_sharp": ".cs"}
+BUDGET = PromptBudget.for_model(2048, 48)
+
+# Run inside the --base checkout: the md5 of each case's prompt, from the shared build_prompt API.
+BASE_SCRIPT = """
+import hashlib, json, sys
+sys.path.insert(0, ".")
+from context.document import Document
+from context.fim import TEMPLATES
+from context.prompt import PromptBudget, build_prompt
+cases = json.load(sys.stdin)
+budget = PromptBudget.for_model(2048, 48)
+out = []
+for uri, language, text, offset in cases:
+    doc = Document(uri, language, text, 1)
+    prompt = build_prompt(text, offset, uri=uri, language_id=language, tree=doc.tree,
+                          template=TEMPLATES["qwen2.5-coder"], budget=budget, heal=True)
+    out.append(hashlib.md5(prompt.text.encode("utf-8", "surrogatepass")).hexdigest())
+json.dump(out, sys.stdout)
+"""
+
+
+def md5(text: str) -> str:
+    return hashlib.md5(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def load(limit: int | None) -> list[dict]:
+    cases = []
+    for name in SETS:
+        rows = [json.loads(line) for line in (EVAL / name).read_text().splitlines() if line.strip()]
+        cases += rows[:limit] if limit else rows
+    return cases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, help="a checkout of today's code to compare prompts with")
+    parser.add_argument("--limit", type=int, help="cases per set")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "workspace-noise.json")
+    args = parser.parse_args()
+
+    cases = load(args.limit)
+    qwen = TEMPLATES["qwen2.5-coder"]
+    plain_md5: list[str] = []
+    differ, with_snippets, inputs = [], 0, []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, case in enumerate(cases):
+            language = normalize_language_id(case["language"])
+            folder = Path(tmp) / f"case{n}"
+            folder.mkdir()
+            path = folder / f"main{EXTENSIONS.get(language, '.txt')}"
+            text = case["prefix"] + case["suffix"]
+            path.write_text(text, encoding="utf-8")
+            uri, offset = path.as_uri(), len(case["prefix"])
+            doc = Document(uri, language, text, 1)
+            inputs.append((uri, language, text, offset))
+            plain = build_prompt(text, offset, uri=uri, language_id=language, tree=doc.tree, template=qwen, budget=BUDGET, heal=True)
+            index = WorkspaceIndex([str(folder)])
+            index.scan()
+            view = WorkspaceView(index, {str(path): OpenFile(text, language)})
+            cross = workspace_context(view, Cursor(str(path), text, offset, language), BUDGET.snippet_chars)
+            with_snippets += bool(cross.snippets)
+            workspace = anchored_prompt(PromptRequest(text, offset, uri=uri, language_id=language, tree=doc.tree,
+                                                      template=qwen, budget=BUDGET, heal=True, cross_file=cross))
+            plain_md5.append(md5(plain.text))
+            if workspace.text != plain.text:
+                differ.append(case["id"])
+    elapsed = time.perf_counter() - started
+    base_differ: list[str] | None = None
+    if args.base is not None:
+        run = subprocess.run([sys.executable, "-c", BASE_SCRIPT], cwd=args.base, input=json.dumps(inputs),
+                             capture_output=True, text=True, check=True)
+        base_md5 = json.loads(run.stdout)
+        base_differ = [case["id"] for case, a, b in zip(cases, plain_md5, base_md5, strict=True) if a != b]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    base_commit = (subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.base, capture_output=True, text=True).stdout.strip()
+                   if args.base else None)
+    print(f"{len(cases)} cases ({', '.join(SETS)}), commit {commit}, {elapsed:.1f} s")
+    print(f"  workspace context found for        {with_snippets:5d} cases")
+    print(f"  prompts differing, workspace vs off {len(differ):5d}")
+    if base_differ is not None:
+        print(f"  prompts differing, HEAD vs {base_commit}    {len(base_differ):5d}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "commit": commit, "base": base_commit, "cases": len(cases), "sets": SETS, "with_snippets": with_snippets,
+        "differ_workspace_vs_off": differ, "differ_head_vs_base": base_differ,
+    }, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
