@@ -280,8 +280,8 @@ def _similar_windows(view: WorkspaceView, cursor: Cursor, files: Sequence[str]) 
 
 def retrieve(view: WorkspaceView, cursor: Cursor, budget_chars: int) -> tuple[Snippet, ...]:
     """The cross-file context for ``cursor``: whole pieces packed best first until ``budget_chars``
-    (path lines included) is spent, rendered per file (the most relevant file last, nearest the
-    cursor; a file's pieces in file order), with paths relative to the file's root."""
+    (path lines included) is spent, rendered per file in path order (a file's pieces in file
+    order), with paths relative to the file's root."""
     imports = resolve_imports(view, cursor.path, cursor.text, cursor.language_id)
     definitions_ranked = _imported_pieces(view, cursor, imports)
     windows = _similar_windows(view, cursor, _window_files(view, cursor, imports))
@@ -320,11 +320,9 @@ def _relative(view: WorkspaceView, path: str) -> str:
 
 
 def _render(view: WorkspaceView, chosen: Sequence[_Piece]) -> tuple[Snippet, ...]:
-    rank: dict[str, int] = {}
-    for position, piece in enumerate(chosen):
-        rank.setdefault(piece.path, position)
+    """Per file, sorted by path (so the block changes only when the set chosen does)."""
     snippets = []
-    for path in sorted(rank, key=lambda p: -rank[p]):
+    for path in sorted({piece.path for piece in chosen}):
         pieces = sorted((p for p in chosen if p.path == path), key=lambda p: p.order)
         snippets.append(Snippet(_relative(view, path).replace(os.sep, "/"), "\n\n".join(p.text.rstrip() for p in pieces)))
     return tuple(snippets)

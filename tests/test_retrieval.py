@@ -203,3 +203,20 @@ def test_uris_become_paths() -> None:
     assert uri_path("file:///tmp/a%20b/c.py") == "/tmp/a b/c.py"
     assert uri_path("untitled:Untitled-1") is None
     assert uri_path(Document("file:///x/y.py", "python", "").uri) == "/x/y.py"
+
+
+def test_cross_file_settings() -> None:
+    import pytest
+
+    from lsp.completer import prompt_budget
+    from lsp.config import ConfigError, Settings, merge_settings
+
+    assert Settings().cross_file == "workspace"
+    assert merge_settings(Settings(), {"crossFile": True}).cross_file == "workspace"  # what true meant grew
+    assert merge_settings(Settings(), {"crossFile": False}).cross_file == "off"
+    assert merge_settings(Settings(), {"crossFile": "open"}).cross_file == "open"
+    with pytest.raises(ConfigError, match='"off" or "open" or "workspace"'):
+        merge_settings(Settings(), {"crossFile": "tabs"})
+    assert prompt_budget(Settings(), 2048).snippet_tokens == 256
+    assert prompt_budget(merge_settings(Settings(), {"crossFileTokens": 600}), 2048).snippet_tokens == 600
+    assert prompt_budget(merge_settings(Settings(), {"crossFileTokens": 600}), 2048).prefix_tokens < 1024  # room is shared
