@@ -187,10 +187,12 @@ def knows_modes(checkout: Path) -> bool:
 class WorkspaceServer(Server):
     """quality.Server run from a given checkout, with a workspace folder that can move."""
 
-    def __init__(self, model_path: str | None, options: dict[str, Any], log_path: Path, checkout: Path, folder: Path) -> None:
+    def __init__(
+        self, model_path: str | None, options: dict[str, Any], log_path: Path, checkout: Path, folder: Path | None
+    ) -> None:
         super().__init__(model_path, options, log_path)
         self.checkout = checkout
-        self.folder = folder
+        self.folder = folder  # None: no workspace folder at initialize (one may be added later)
 
     def refusals(self) -> list[str]:
         return [m for m in self.messages if "initializationOptions" in m]
@@ -221,8 +223,8 @@ class WorkspaceServer(Server):
         await self.client.initialize_async(
             types.InitializeParams(
                 capabilities=types.ClientCapabilities(),
-                root_uri=self.folder.as_uri(),
-                workspace_folders=[folder_item(self.folder)],
+                root_uri=self.folder.as_uri() if self.folder else None,
+                workspace_folders=[folder_item(self.folder)] if self.folder else None,
                 initialization_options=self.options,
             )
         )
@@ -254,20 +256,30 @@ class WorkspaceServer(Server):
             roots = workspace.get("roots")
             # Until the server has handled the folder change it may still report the old scan; no
             # roots at all: this server indexes nothing (crossFile "open").
-            moved = not isinstance(roots, list) or not roots or any(
-                isinstance(r, str) and (r == str(self.folder) or r == self.folder.as_uri()) for r in roots
+            moved = (
+                not isinstance(roots, list)
+                or not roots
+                or any(isinstance(r, str) and self.folder and r in (str(self.folder), self.folder.as_uri()) for r in roots)
             )
             if moved and workspace.get("scan_done", True):
                 return workspace
             if time.monotonic() > deadline:
-                print(f"  warning: workspace scan of {self.folder.name} not done after {timeout_s:.0f} s: {workspace}", file=sys.stderr)
+                print(
+                    f"  warning: workspace scan of {self.folder} not done after {timeout_s:.0f} s: {workspace}",
+                    file=sys.stderr,
+                )
                 return workspace
             await asyncio.sleep(0.25)
 
-    async def move_to(self, folder: Path) -> dict[str, Any] | None:
-        event = types.WorkspaceFoldersChangeEvent(added=[folder_item(folder)], removed=[folder_item(self.folder)])
+    def change_folder(self, folder: Path) -> None:
+        """The editor's workspace is ``folder`` now (didChangeWorkspaceFolders; old code ignores it)."""
+        removed = [folder_item(self.folder)] if self.folder else []
+        event = types.WorkspaceFoldersChangeEvent(added=[folder_item(folder)], removed=removed)
         self.client.workspace_did_change_workspace_folders(types.DidChangeWorkspaceFoldersParams(event=event))
         self.folder = folder
+
+    async def move_to(self, folder: Path) -> dict[str, Any] | None:
+        self.change_folder(folder)
         return await self.wait_scan()
 
 
@@ -327,7 +339,7 @@ async def start_servers(servers: dict[tuple[str, str], WorkspaceServer]) -> dict
     """Starts them all at once; the ones that fail are stopped, removed and reported."""
     results = await asyncio.gather(*(s.start() for s in servers.values()), return_exceptions=True)
     info: dict[str, Any] = {"load_s": {}, "errors": {}, "options": {}}
-    for (key, server), result in zip(list(servers.items()), results):
+    for (key, server), result in zip(list(servers.items()), results, strict=True):
         label = "/".join(key)
         info["options"][label] = server.options
         if isinstance(result, BaseException):
@@ -366,7 +378,9 @@ def git_head(checkout: Path | None) -> dict[str, Any] | None:
     if checkout is None:
         return None
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout, capture_output=True, text=True).stdout
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout, capture_output=True, text=True
+    ).stdout
     return {"path": str(checkout), "head": head or None, "dirty": bool(dirty.strip())}
 
 
@@ -405,10 +419,10 @@ async def run_packages(
         folder = repos / package
         if index > 0:
             scans = await asyncio.gather(*(s.move_to(folder) for s in servers.values()))
-            run.meta.setdefault("workspace", {})[package] = {"/".join(k): w for k, w in zip(servers, scans)}
+            run.meta.setdefault("workspace", {})[package] = {"/".join(k): w for k, w in zip(servers, scans, strict=True)}
         print(f"{package}: {len(cases)} cases x {len(configs)} configurations", file=sys.stderr)
         for case in cases:
-            order = configs[turn % len(configs):] + configs[: turn % len(configs)]
+            order = configs[turn % len(configs) :] + configs[: turn % len(configs)]
             turn += 1
             for config in order:
                 run.add(await run_case(servers[config.server_key], config, case, folder))
@@ -488,15 +502,28 @@ def print_tables(summary: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen-coder", help="qwen-coder (default), smollm2, or a model path (bench/quality.py resolve)")
+    parser.add_argument(
+        "--model", default="qwen-coder", help="qwen-coder (default), smollm2, or a model path (bench/quality.py resolve)"
+    )
     parser.add_argument("--limit", type=int, help="N cases per package (fixed seed); default all 152")
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma list of current, tab, workspace, NAME@base (default {DEFAULT_CONFIGS})")
-    parser.add_argument("--base", type=Path, help="another checkout (today's code, a git worktree) for the NAME@base configurations")
-    parser.add_argument("--repos", type=Path, default=CACHE / "crossfile-repos", help="the unpacked packages, as name-version/ (default bench/.cache/crossfile-repos)")
+    parser.add_argument(
+        "--configs", default=DEFAULT_CONFIGS, help=f"comma list of current, tab, workspace, NAME@base (default {DEFAULT_CONFIGS})"
+    )
+    parser.add_argument(
+        "--base", type=Path, help="another checkout (today's code, a git worktree) for the NAME@base configurations"
+    )
+    parser.add_argument(
+        "--repos",
+        type=Path,
+        default=CACHE / "crossfile-repos",
+        help="the unpacked packages, as name-version/ (default bench/.cache/crossfile-repos)",
+    )
     parser.add_argument("--cases", type=Path, default=CASES)
     parser.add_argument("--packages", help="comma list of package names to run (click,flask; default all five)")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--cross-file-tokens", type=int, help="crossFileTokens for the new code's servers (default: the server's)")
+    parser.add_argument(
+        "--cross-file-tokens", type=int, help="crossFileTokens for the new code's servers (default: the server's)"
+    )
     parser.add_argument("--out", type=Path, help="default bench/results/crossfile-<model>.json")
     args = parser.parse_args(argv)
     if args.base is not None:
@@ -520,7 +547,9 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     missing = [p for p in packages if not (args.repos / p).is_dir()]
     if missing or not configs:
-        print(f"error: packages missing under {args.repos}: {missing}" if missing else "error: no configurations", file=sys.stderr)
+        print(
+            f"error: packages missing under {args.repos}: {missing}" if missing else "error: no configurations", file=sys.stderr
+        )
         return 2
     cases = [c.id for cs in packages.values() for c in cs]
     meta: dict[str, Any] = {
@@ -550,8 +579,11 @@ async def run(args: argparse.Namespace) -> int:
                 meta.setdefault("server_messages", {})["/".join(key)] = server.messages[:20]
             await server.stop()
         summary = run_.save(done=not meta.get("interrupted"))
-    print(f"\nmodel {model[0]}, max_tokens {args.max_tokens}, {len(cases)} cases, commit {(meta['commit']['new'] or {}).get('head')}"
-          f" vs base {(meta['commit']['base'] or {}).get('head')}")
+    print(
+        f"\nmodel {model[0]}, max_tokens {args.max_tokens}, {len(cases)} cases, "
+        f"commit {(meta['commit']['new'] or {}).get('head')}"
+        f" vs base {(meta['commit']['base'] or {}).get('head')}"
+    )
     print_tables(summary)
     for label, error in (meta.get("errors") or {}).items():
         skipped = [c.name for c in configs if "/".join(c.server_key) == label]
