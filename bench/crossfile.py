@@ -1,0 +1,613 @@
+"""Cross-file completion through the real LSP server, each package laid out as the workspace.
+
+    .venv/bin/python bench/crossfile.py --model qwen-coder --base ../wt-base
+    .venv/bin/python bench/crossfile.py --model smollm2 --limit 1 --configs current@base,tab@base,current,tab --base ../wt-base
+
+Cases: ``/work/shared/eval/crossfile_dev.jsonl`` (152 lines cut from five pinned packages: a line
+inside a function that calls or reads a name imported from a sibling module, the cursor just
+before that name). The packages are unpacked under ``--repos`` as ``name-version/`` (the layout of
+``../shared/eval/fetch-crossfile-repos.sh``). The file on disk holds the author's text; the editor's
+document is ``prefix + suffix`` under the real file's URI, so that an index that prefers an open
+document's live text over the disk never sees the middle.
+
+Configurations (``--configs``):
+  current:   crossFile "open", only the case's file open;
+  tab:       crossFile "open", the defining module (``defined_in``, its disk text) opened first as a
+             second document, closed after the case;
+  workspace: crossFile "workspace", only the case's file open;
+  NAME@base: NAME run from the checkout ``--base`` (as bench/replay.py does: ``python -m lsp`` with
+             that checkout as its working directory). A checkout whose lsp/config.py still declares
+             ``cross_file: bool`` gets crossFile true for "open" (and no crossFileTokens).
+One server per (checkout, crossFile mode), started together and reused for all packages: each is
+initialized with rootUri / workspaceFolders = the first package's folder and moved to the next
+package with ``workspace/didChangeWorkspaceFolders``; after a move the script waits (at most 60 s)
+for ``ember/stats`` ``workspace.scan_done`` (code without an index has no such key). Requests go
+one at a time, the configurations taking turns case by case (which one goes first rotates), so
+the machine's load drift hits all alike.
+
+Score: the first non-blank line of the completion, stripped, against ``middle`` stripped: exact
+match (EM) and edit similarity. Per case the record keeps the server's ``prompt_tokens``,
+``latency_ms`` and ``cross_file`` (``ember/stats`` ``last_for_uri``), the client's ms and any error.
+Prints a table per package and overall, and the ratios of issue 14's targets; writes
+bench/results/crossfile-<model>.json (rewritten every 30 s while running, so a stopped run keeps
+its data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lsprotocol import types
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.quality import (  # noqa: E402
+    CACHE,
+    READY_TIMEOUT_S,
+    RESULTS,
+    SEED,
+    Case,
+    Server,
+    edit_similarity,
+    first_line,
+    percentile,
+    resolve,
+)
+
+CASES = Path("/work/shared/eval/crossfile_dev.jsonl")
+DEFAULT_CONFIGS = "current@base,tab@base,current,tab,workspace"
+MODES = {"current": "open", "tab": "open", "workspace": "workspace"}
+SCAN_WAIT_S = 60.0
+SAVE_EVERY_S = 30.0
+REQUEST_TIMEOUT_S = 60.0  # the server's own timeoutMs; the client waits a minute longer
+
+
+@dataclass
+class CrossCase:
+    id: str
+    repo: str  # "name==version"
+    path: str  # relative to the package folder (its import root)
+    defined_in: str
+    name: str
+    prefix: str
+    middle: str
+    suffix: str
+
+    @property
+    def package(self) -> str:
+        """The package's folder name under --repos: click==8.1.8 -> click-8.1.8."""
+        return self.repo.replace("==", "-")
+
+
+@dataclass
+class Record:
+    id: str
+    repo: str
+    config: str
+    completion: str
+    exact: bool
+    edit_sim: float
+    prompt_tokens: int | None
+    latency_ms: float | None
+    client_ms: float
+    cross_file: Any
+    outcome: str | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Checkout:
+    label: str  # "new" (this checkout) or "base"
+    root: Path
+    legacy: bool  # crossFile is still true/false there
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str  # as given: "tab@base"
+    kind: str  # current / tab / workspace
+    checkout: Checkout
+
+    @property
+    def mode(self) -> str:
+        return MODES[self.kind]
+
+    @property
+    def server_key(self) -> tuple[str, str]:
+        return (self.checkout.label, self.mode)
+
+
+# ---------------------------------------------------------------------------------------- cases
+
+
+def load_cases(path: Path) -> list[CrossCase]:
+    fields = CrossCase.__dataclass_fields__
+    with path.open(encoding="utf-8") as f:
+        return [CrossCase(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f if line.strip()]
+
+
+def select(cases: list[CrossCase], per_package: int | None, seed: int = SEED) -> dict[str, list[CrossCase]]:
+    """Cases grouped by package (in name order); with ``per_package``, that many from each, the
+    same ones on every run (ids sorted, then shuffled with a fixed seed)."""
+    by_package: dict[str, list[CrossCase]] = defaultdict(list)
+    for case in sorted(cases, key=lambda c: c.id):
+        by_package[case.package].append(case)
+    if per_package is not None:
+        for package, pool in by_package.items():
+            random.Random(f"{seed}:{package}").shuffle(pool)
+            by_package[package] = sorted(pool[:per_package], key=lambda c: c.id)
+    return dict(sorted(by_package.items()))
+
+
+def score(case: CrossCase, config: str, completion: str, last: dict[str, Any], client_ms: float, error: str | None) -> Record:
+    got, want = first_line(completion).strip(), case.middle.strip()
+    return Record(
+        id=case.id,
+        repo=case.repo,
+        config=config,
+        completion=completion,
+        exact=got == want,
+        edit_sim=edit_similarity(got, want),
+        prompt_tokens=last.get("prompt_tokens"),
+        latency_ms=last.get("latency_ms"),
+        client_ms=round(client_ms, 1),
+        cross_file=last.get("cross_file"),
+        outcome=last.get("outcome"),
+        error=error,
+    )
+
+
+# ---------------------------------------------------------------------------------- the servers
+
+
+def folder_item(folder: Path) -> types.WorkspaceFolder:
+    return types.WorkspaceFolder(uri=folder.as_uri(), name=folder.name)
+
+
+def knows_modes(checkout: Path) -> bool:
+    """Whether that checkout's crossFile takes "off"/"open"/"workspace" (today's code: a bool)."""
+    config = (checkout / "lsp" / "config.py").read_text(encoding="utf-8")
+    return re.search(r"^\s*cross_file:\s*bool\b", config, re.M) is None
+
+
+class WorkspaceServer(Server):
+    """quality.Server run from a given checkout, with a workspace folder that can move."""
+
+    def __init__(
+        self, model_path: str | None, options: dict[str, Any], log_path: Path, checkout: Path, folder: Path | None
+    ) -> None:
+        super().__init__(model_path, options, log_path)
+        self.checkout = checkout
+        self.folder = folder  # None: no workspace folder at initialize (one may be added later)
+
+    def refusals(self) -> list[str]:
+        return [m for m in self.messages if "initializationOptions" in m]
+
+    async def start(self) -> float:
+        """Seconds until the engine is ready and the first folder scanned."""
+        started = time.perf_counter()
+        await self.launch()
+        await self.wait_ready()
+        if self.refusals():
+            raise RuntimeError(f"the server refused the settings: {self.refusals()[0]}")
+        await self.wait_scan()
+        return time.perf_counter() - started
+
+    async def launch(self) -> None:
+        """The process started and initialized (the engine loads in the background)."""
+        command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
+        if self.model_path:
+            command += ["--model", self.model_path]
+
+        @self.client.feature(types.WINDOW_SHOW_MESSAGE)
+        def show_message(params: types.ShowMessageParams) -> None:
+            self.messages.append(params.message)
+
+        # `python -m lsp` imports the package of its working directory: that checkout's code.
+        await self.client.start_io(*command, cwd=str(self.checkout))
+        self._drain = asyncio.create_task(self._drain_stderr())
+        await self.client.initialize_async(
+            types.InitializeParams(
+                capabilities=types.ClientCapabilities(),
+                root_uri=self.folder.as_uri() if self.folder else None,
+                workspace_folders=[folder_item(self.folder)] if self.folder else None,
+                initialization_options=self.options,
+            )
+        )
+        self.client.initialized(types.InitializedParams())
+        await asyncio.sleep(0.5)  # the refusal is a showMessage sent while initializing: fail before the model loads
+        if self.refusals():
+            raise RuntimeError(f"the server refused the settings: {self.refusals()[0]}")
+
+    async def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            engine = (await self.stats())["engine"]
+            if engine["ready"]:
+                return
+            if engine["error"]:
+                raise RuntimeError(f"engine failed to start: {engine['error']} (log: {self.log_path})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine not ready after {READY_TIMEOUT_S} s (log: {self.log_path})")
+            await asyncio.sleep(0.5)
+
+    async def wait_scan(self, timeout_s: float = SCAN_WAIT_S) -> dict[str, Any] | None:
+        """The ``workspace`` stats once the background scan of the current folder is done (None
+        where the server has no index), waiting at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workspace = (await self.stats()).get("workspace")
+            if not isinstance(workspace, dict):
+                return None
+            roots = workspace.get("roots")
+            # Until the server has handled the folder change it may still report the old scan; no
+            # roots at all: this server indexes nothing (crossFile "open").
+            moved = (
+                not isinstance(roots, list)
+                or not roots
+                or any(isinstance(r, str) and self.folder and r in (str(self.folder), self.folder.as_uri()) for r in roots)
+            )
+            if moved and workspace.get("scan_done", True):
+                return workspace
+            if time.monotonic() > deadline:
+                print(
+                    f"  warning: workspace scan of {self.folder} not done after {timeout_s:.0f} s: {workspace}",
+                    file=sys.stderr,
+                )
+                return workspace
+            await asyncio.sleep(0.25)
+
+    def change_folder(self, folder: Path) -> None:
+        """The editor's workspace is ``folder`` now (didChangeWorkspaceFolders; old code ignores it)."""
+        removed = [folder_item(self.folder)] if self.folder else []
+        event = types.WorkspaceFoldersChangeEvent(added=[folder_item(folder)], removed=removed)
+        self.client.workspace_did_change_workspace_folders(types.DidChangeWorkspaceFoldersParams(event=event))
+        self.folder = folder
+
+    async def move_to(self, folder: Path) -> dict[str, Any] | None:
+        self.change_folder(folder)
+        return await self.wait_scan()
+
+
+def server_options(args: argparse.Namespace, mode: str, legacy: bool) -> dict[str, Any]:
+    """initializationOptions as bench/quality.py's, with crossFile for ``mode``."""
+    options: dict[str, Any] = {
+        "maxTokens": args.max_tokens,
+        "timeoutMs": int(REQUEST_TIMEOUT_S * 1000),
+        "promptStrategy": "ast",
+        "postprocess": "syntax",
+        "earlyAnswerMs": 0,
+        "maxRequestsPerSecond": 0,
+        "reuse": False,  # cases of one file share a prefix: no answers from another case's cache
+        "warmup": False,
+        # Today's code takes a bool; "workspace" is passed through there so that it refuses it.
+        "crossFile": {"open": True, "off": False}.get(mode, mode) if legacy else mode,
+    }
+    if args.cross_file_tokens is not None and not legacy:
+        options["crossFileTokens"] = args.cross_file_tokens
+    return options
+
+
+def parse_configs(names: str, args: argparse.Namespace) -> list[Config]:
+    checkouts = {"new": Checkout("new", ROOT, not knows_modes(ROOT))}
+    if args.base is not None:
+        checkouts["base"] = Checkout("base", args.base, not knows_modes(args.base))
+    configs = []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        kind, _, where = name.partition("@")
+        if kind not in MODES or where not in ("", "base"):
+            raise SystemExit(f"unknown configuration {name!r} (current, tab, workspace, NAME@base)")
+        if where and args.base is None:
+            print(f"error: {name} needs --base DIR (a checkout of today's code); skipped", file=sys.stderr)
+            continue
+        configs.append(Config(name, kind, checkouts["base" if where else "new"]))
+    return configs
+
+
+def build_servers(
+    configs: list[Config], args: argparse.Namespace, model: tuple[str, str | None], folder: Path
+) -> dict[tuple[str, str], WorkspaceServer]:
+    """One server (not started) per (checkout, crossFile mode)."""
+    name, model_path = model
+    logs = CACHE / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    servers: dict[tuple[str, str], WorkspaceServer] = {}
+    for config in configs:
+        if config.server_key not in servers:
+            label, mode = config.server_key
+            options = server_options(args, mode, config.checkout.legacy)
+            log = logs / f"crossfile-{name}-{label}-{mode}.log"
+            servers[config.server_key] = WorkspaceServer(model_path, options, log, config.checkout.root, folder)
+    return servers
+
+
+async def start_servers(servers: dict[tuple[str, str], WorkspaceServer]) -> dict[str, Any]:
+    """Starts them all at once; the ones that fail are stopped, removed and reported."""
+    results = await asyncio.gather(*(s.start() for s in servers.values()), return_exceptions=True)
+    info: dict[str, Any] = {"load_s": {}, "errors": {}, "options": {}}
+    for (key, server), result in zip(list(servers.items()), results, strict=True):
+        label = "/".join(key)
+        info["options"][label] = server.options
+        if isinstance(result, BaseException):
+            info["errors"][label] = f"{type(result).__name__}: {result}"
+            print(f"error: the {label} server did not start: {result}; its configurations are skipped", file=sys.stderr)
+            await server.stop()
+            del servers[key]
+        else:
+            info["load_s"][label] = round(result, 1)
+    return info
+
+
+# ----------------------------------------------------------------------------------------- runs
+
+
+async def run_case(server: WorkspaceServer, config: Config, case: CrossCase, folder: Path) -> Record:
+    uri = (folder / case.path).as_uri()
+    tab_uri = (folder / case.defined_in).as_uri() if config.kind == "tab" else None
+    if tab_uri:
+        text = (folder / case.defined_in).read_text(encoding="utf-8")
+        server.client.text_document_did_open(
+            types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=tab_uri, language_id="python", version=1, text=text))
+        )
+    document = Case(case.id, "crossfile-line", "python", case.prefix, case.suffix, case.middle)
+    try:
+        completion, last, client_ms, error = await server.complete(document, uri, REQUEST_TIMEOUT_S + 60)
+    finally:
+        if tab_uri:
+            server.client.text_document_did_close(
+                types.DidCloseTextDocumentParams(text_document=types.TextDocumentIdentifier(uri=tab_uri))
+            )
+    return score(case, config.name, completion, last, client_ms, error)
+
+
+def git_head(checkout: Path | None) -> dict[str, Any] | None:
+    if checkout is None:
+        return None
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout, capture_output=True, text=True
+    ).stdout
+    return {"path": str(checkout), "head": head or None, "dirty": bool(dirty.strip())}
+
+
+class Run:
+    """The records so far and the results file they are saved to."""
+
+    def __init__(self, out: Path, meta: dict[str, Any], configs: list[Config]) -> None:
+        self.out = out
+        self.meta = meta
+        self.configs = configs
+        self.records: list[Record] = []
+        self.saved_at = time.monotonic()
+
+    def add(self, record: Record) -> None:
+        self.records.append(record)
+        if time.monotonic() - self.saved_at > SAVE_EVERY_S:
+            self.save(done=False)
+
+    def save(self, done: bool) -> dict[str, Any]:
+        summary = summarize_run(self.records, [c.name for c in self.configs])
+        payload = {**self.meta, "complete": done, "summary": summary, "records": [asdict(r) for r in self.records]}
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1, default=str))
+        tmp.replace(self.out)
+        self.saved_at = time.monotonic()
+        return summary
+
+
+async def run_packages(
+    run: Run, servers: dict[tuple[str, str], WorkspaceServer], packages: dict[str, list[CrossCase]], repos: Path
+) -> None:
+    turn = 0
+    configs = [c for c in run.configs if c.server_key in servers]
+    for index, (package, cases) in enumerate(packages.items()):
+        folder = repos / package
+        if index > 0:
+            scans = await asyncio.gather(*(s.move_to(folder) for s in servers.values()))
+            run.meta.setdefault("workspace", {})[package] = {"/".join(k): w for k, w in zip(servers, scans, strict=True)}
+        print(f"{package}: {len(cases)} cases x {len(configs)} configurations", file=sys.stderr)
+        for case in cases:
+            order = configs[turn % len(configs) :] + configs[: turn % len(configs)]
+            turn += 1
+            for config in order:
+                run.add(await run_case(servers[config.server_key], config, case, folder))
+        done = [r for r in run.records if r.repo == cases[0].repo]
+        line = ", ".join(f"{c.name} {sum(r.exact for r in done if r.config == c.name)}" for c in configs)
+        print(f"  exact matches: {line}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------- reports
+
+
+def summarize(records: list[Record]) -> dict[str, Any]:
+    n = len(records)
+    tokens = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
+    latencies = [r.latency_ms for r in records if r.latency_ms is not None]
+    return {
+        "n": n,
+        "exact": sum(r.exact for r in records) / n if n else None,
+        "edit_sim": sum(r.edit_sim for r in records) / n if n else None,
+        "prompt_tokens_mean": sum(tokens) / len(tokens) if tokens else None,
+        "latency_p50_ms": percentile(latencies, 0.5),
+        "latency_p95_ms": percentile(latencies, 0.95),
+        "client_p50_ms": percentile([r.client_ms for r in records], 0.5),
+        "errors": sum(r.error is not None for r in records),
+    }
+
+
+def targets(overall: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Issue 14's targets, from the overall exact match of each configuration."""
+
+    def em(name: str) -> float | None:
+        return (overall.get(name) or {}).get("exact")
+
+    def check(value: float | None, goal: float) -> dict[str, Any]:
+        return {"value": value, "goal": goal, "ok": None if value is None else value >= goal}
+
+    workspace, current_base, tab_base, tab = em("workspace"), em("current@base"), em("tab@base"), em("tab")
+    ratio = workspace / current_base if workspace is not None and current_base else None
+    return {
+        "workspace EM / current@base EM": check(ratio, 1.4),
+        "workspace EM - tab@base EM": check(None if workspace is None or tab_base is None else workspace - tab_base, 0.0),
+        "tab EM - tab@base EM": check(None if tab is None or tab_base is None else tab - tab_base, 0.0),
+    }
+
+
+def summarize_run(records: list[Record], configs: list[str]) -> dict[str, Any]:
+    per_package: dict[str, dict[str, Any]] = {}
+    for repo in sorted({r.repo for r in records}):
+        per_package[repo] = {c: summarize([r for r in records if r.repo == repo and r.config == c]) for c in configs}
+    overall = {c: summarize([r for r in records if r.config == c]) for c in configs}
+    return {"per_package": per_package, "overall": overall, "targets": targets(overall)}
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_tables(summary: dict[str, Any]) -> None:
+    sections = {**summary["per_package"], "ALL": summary["overall"]}
+    for title, rows in sections.items():
+        print(f"\n{title}")
+        print(f"  {'config':14} {'n':>4} {'EM':>6} {'edit sim':>8} {'prompt tok':>10} {'p50 ms':>8} {'errors':>6}")
+        for config, s in rows.items():
+            if s["n"]:
+                print(
+                    f"  {config:14} {s['n']:>4} {fmt(s['exact'], '.3f'):>6} {fmt(s['edit_sim'], '.3f'):>8} "
+                    f"{fmt(s['prompt_tokens_mean'], '.0f'):>10} {fmt(s['latency_p50_ms'], '.0f'):>8} {s['errors']:>6}"
+                )
+    print("\ntargets (issue 14):")
+    for name, t in summary["targets"].items():
+        verdict = "-" if t["ok"] is None else "ok" if t["ok"] else "MISS"
+        print(f"  {name:32} {fmt(t['value'], '+.3f' if '-' in name else '.3f'):>8}  (goal >= {t['goal']})  {verdict}")
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model", default="qwen-coder", help="qwen-coder (default), smollm2, or a model path (bench/quality.py resolve)"
+    )
+    parser.add_argument("--limit", type=int, help="N cases per package (fixed seed); default all 152")
+    parser.add_argument(
+        "--configs", default=DEFAULT_CONFIGS, help=f"comma list of current, tab, workspace, NAME@base (default {DEFAULT_CONFIGS})"
+    )
+    parser.add_argument(
+        "--base", type=Path, help="another checkout (today's code, a git worktree) for the NAME@base configurations"
+    )
+    parser.add_argument(
+        "--repos",
+        type=Path,
+        default=CACHE / "crossfile-repos",
+        help="the unpacked packages, as name-version/ (default bench/.cache/crossfile-repos)",
+    )
+    parser.add_argument("--cases", type=Path, default=CASES)
+    parser.add_argument("--packages", help="comma list of package names to run (click,flask; default all five)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--cross-file-tokens", type=int, help="crossFileTokens for the new code's servers (default: the server's)"
+    )
+    parser.add_argument("--out", type=Path, help="default bench/results/crossfile-<model>.json")
+    args = parser.parse_args(argv)
+    if args.base is not None:
+        args.base = args.base.resolve()
+        if not (args.base / "lsp" / "config.py").is_file():
+            parser.error(f"--base {args.base}: not an ember checkout (no lsp/config.py)")
+    # One spelling of every path: the index resolves symlinks (bench/.cache is often one).
+    args.repos = args.repos.resolve()
+    return args
+
+
+async def run(args: argparse.Namespace) -> int:
+    model = resolve(args.model)
+    configs = parse_configs(args.configs, args)
+    packages = select(load_cases(args.cases), args.limit)
+    if args.packages:
+        wanted = {p.strip() for p in args.packages.split(",")}
+        packages = {p: cs for p, cs in packages.items() if p.rsplit("-", 1)[0] in wanted}
+    if not packages:
+        print("error: no cases selected", file=sys.stderr)
+        return 2
+    missing = [p for p in packages if not (args.repos / p).is_dir()]
+    if missing or not configs:
+        print(
+            f"error: packages missing under {args.repos}: {missing}" if missing else "error: no configurations", file=sys.stderr
+        )
+        return 2
+    cases = [c.id for cs in packages.values() for c in cs]
+    meta: dict[str, Any] = {
+        "model": model[0],
+        "model_path": model[1],
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": {"new": git_head(ROOT), "base": git_head(args.base)},
+        "configs": [c.name for c in configs],
+        "cases": {"file": str(args.cases), "limit_per_package": args.limit, "seed": SEED, "n": len(cases), "ids": cases},
+        "repos": str(args.repos),
+    }
+    run_ = Run(args.out or RESULTS / f"crossfile-{model[0]}.json", meta, configs)
+    print(f"{len(cases)} cases x {len(configs)} configurations, model {model[0]} ({model[1]})", file=sys.stderr)
+    servers = build_servers(configs, args, model, args.repos / next(iter(packages)))
+    try:
+        meta.update(await start_servers(servers))
+        run_.configs = [c for c in configs if c.server_key in servers]
+        if servers:
+            await run_packages(run_, servers, packages, args.repos)
+    except asyncio.CancelledError:
+        meta["interrupted"] = True
+        raise
+    finally:
+        for key, server in servers.items():
+            if server.messages:
+                meta.setdefault("server_messages", {})["/".join(key)] = server.messages[:20]
+            await server.stop()
+        summary = run_.save(done=not meta.get("interrupted"))
+    print(
+        f"\nmodel {model[0]}, max_tokens {args.max_tokens}, {len(cases)} cases, "
+        f"commit {(meta['commit']['new'] or {}).get('head')}"
+        f" vs base {(meta['commit']['base'] or {}).get('head')}"
+    )
+    print_tables(summary)
+    for label, error in (meta.get("errors") or {}).items():
+        skipped = [c.name for c in configs if "/".join(c.server_key) == label]
+        print(f"\nnot run: {', '.join(skipped)}: the {label} server did not start: {error}")
+    print(f"\nwrote {run_.out}")
+    return 1 if meta.get("errors") or not servers else 0
+
+
+async def run_until_signal(args: argparse.Namespace) -> int:
+    """SIGTERM/SIGINT cancel the run so that the servers (and their engines) are stopped and the
+    records so far written."""
+    task = asyncio.ensure_future(run(args))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        print("stopped; partial results written", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(run_until_signal(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
