@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048
 SNIPPET_SOURCE_CHARS = 200_000  # how much of another open file is searched for definitions
 # A request waits this long for context from the workspace (reading and parsing files the first
-# time); a slower retrieval finishes in the background for the next request.
+# time); a slower retrieval finishes in the background for the next request. The first request in
+# a document, which has no earlier context to fall back on, waits longer.
 RETRIEVAL_WAIT_S = 0.3
+FIRST_RETRIEVAL_WAIT_S = 1.0
 # Retrieved context is checked again after this long even when nothing reported a change (a file
 # changed on disk without a watcher event); an unchanged result gives the same prompt.
 RETRIEVAL_TTL_S = 60.0
@@ -197,7 +199,7 @@ class EmberServer(LanguageServer):
         task = self._retrieving.get(doc.uri)
         if task is None or task.done():
             task = self._retrieving[doc.uri] = asyncio.ensure_future(self._retrieve(doc, offset, path, index, key, max_chars))
-        done, _ = await asyncio.wait({task}, timeout=RETRIEVAL_WAIT_S)
+        done, _ = await asyncio.wait({task}, timeout=RETRIEVAL_WAIT_S if kept is not None else FIRST_RETRIEVAL_WAIT_S)
         if task in done and not task.cancelled() and task.exception() is None:
             return task.result()
         return kept[1] if kept is not None else CrossFile()
