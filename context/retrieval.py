@@ -32,7 +32,7 @@ from context.snippets import CrossFile, Definition, Snippet, definitions
 from context.workspace import FileSummary, WorkspaceIndex
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_FULL_LIMIT = 240  # a definition is shown whole up to this many characters, else its signature
+_FULL_LIMIT = 1200  # a definition is shown whole up to this many characters, else its signature
 NEAR_LINES = 40  # lines above and below the cursor whose names count as "used near the cursor"
 REGION_STEP = 20  # the near region moves in steps of this many lines
 QUERY_LINES = 12  # lines above the cursor that similar windows are matched against
@@ -42,11 +42,6 @@ WINDOW_STRIDE = 6
 MAX_WINDOW_FILES = 40
 MAX_WINDOW_SOURCE_CHARS = 100_000
 MIN_SIMILARITY = 0.15
-MAX_USAGE_FILES = 200  # files searched for uses of the imported names (nearest first)
-USAGES_PER_NAME = 3
-MAX_USAGE_LINE = 160
-USAGE_ORDER = 20_000  # a use sorts after the definitions of its file
-_NOT_USES = ("import ", "from ", "def ", "class ", "#", "//", "@")
 # Words that say nothing about which code is related (keywords and the commonest names).
 _COMMON = frozenset(
     {
@@ -185,77 +180,27 @@ def _body_text(text: str) -> str:
     return "\n".join(line for line in text.split("\n") if not line.lstrip().startswith(("import ", "from ")))
 
 
-def _imported_pieces(
-    view: WorkspaceView, cursor: Cursor, imports: Sequence[ResolvedImport]
-) -> list[tuple[str, _Piece | None]]:
-    """The imported names, best first (used near the cursor, not used yet, the rest), each with
-    its definition where one is found."""
+def _imported_pieces(view: WorkspaceView, cursor: Cursor, imports: Sequence[ResolvedImport]) -> list[_Piece]:
+    """The imported names' definitions, best first (used near the cursor, not used yet, the rest)."""
     near = identifiers(near_region(cursor.text, cursor.offset))
     used = identifiers(_body_text(cursor.text))
-    ranked: list[tuple[int, int, str, _Piece | None]] = []
-    seen: set[str] = set()
+    ranked: list[tuple[int, int, _Piece]] = []
+    seen: set[tuple[str, str]] = set()
     for position, resolved in enumerate(imports):
         for name, files in resolved.names.items():
-            if name in seen:
-                continue
-            seen.add(name)
-            piece = _piece_for(view, files[0], name, near) if files else None
-            ranked.append((0 if name in near else 1 if name not in used else 2, position, name, piece))
+            for file in files[:1]:
+                piece = _piece_for(view, file, name, near)
+                if piece is None or (file, name) in seen:
+                    continue
+                seen.add((file, name))
+                tier = 0 if name in near else 1 if name not in used else 2
+                ranked.append((tier, position, piece))
         if not resolved.names:  # `import pkg.mod`: the definitions the file uses as mod.X
-            module = resolved.module.rpartition(".")[2]
-            if module and module not in seen:
-                seen.add(module)
-                ranked.append((0 if module in near else 2, position, module, None))
             for file in resolved.files[:1]:
                 for name, piece in _module_pieces(view, file, near | used):
-                    ranked.append((0 if name in near else 2, position, name, piece))
+                    ranked.append((0 if name in near else 2, position, piece))
     ranked.sort(key=lambda item: (item[0], item[1]))
-    return [(name, piece) for _, _, name, piece in ranked]
-
-
-def _usage_files(view: WorkspaceView, cursor: Cursor) -> list[str]:
-    """Where uses of the imported names are looked for: the workspace's files of the cursor's
-    language family, nearest to the current file first."""
-    family = language_info(normalize_language_id(cursor.language_id, cursor.path)).family
-    candidates = {f for f in (*view.index.files(), *view.open_files) if f != cursor.path}
-    same = [f for f in candidates if language_info(normalize_language_id("", f)).family == family]
-    here = cursor.path.split(os.sep)
-
-    def distance(path: str) -> tuple[int, str]:
-        parts = path.split(os.sep)
-        shared = next((i for i, (a, b) in enumerate(zip(parts, here, strict=False)) if a != b), min(len(parts), len(here)))
-        return (-shared, path)
-
-    return sorted(same, key=distance)[:MAX_USAGE_FILES]
-
-
-def _usage_pieces(view: WorkspaceView, names: Sequence[str], files: Sequence[str]) -> dict[str, list[_Piece]]:
-    """For each name, the lines of ``files`` that call it or read from it (``name(``, ``name.``,
-    ``name[``), the commonest first: how the workspace uses what the current file imports."""
-    if not names:
-        return {}
-    pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")\b\s*[(.\[]")
-    counts: dict[str, dict[str, list[int]]] = {}
-    where: dict[str, tuple[str, int]] = {}
-    for file in files:
-        text = view.text(file)
-        if not text:
-            continue
-        text = text[:MAX_WINDOW_SOURCE_CHARS]
-        for match in pattern.finditer(text):
-            start = text.rfind("\n", 0, match.start()) + 1
-            end = text.find("\n", match.end())
-            line = text[start : end if end >= 0 else len(text)].strip()
-            if not line or len(line) > MAX_USAGE_LINE or line.startswith(_NOT_USES):
-                continue
-            seen = counts.setdefault(match.group(1), {}).setdefault(line, [0])
-            seen[0] += 1
-            where.setdefault(line, (file, text.count("\n", 0, start)))
-    found: dict[str, list[_Piece]] = {}
-    for name, lines in counts.items():
-        best = sorted(lines, key=lambda line: (-lines[line][0], line))[:USAGES_PER_NAME]
-        found[name] = [_Piece(where[line][0], USAGE_ORDER + where[line][1], line, "") for line in best]
-    return found
+    return [piece for _, _, piece in ranked]
 
 
 def _piece_for(view: WorkspaceView, file: str, name: str, near: set[str]) -> _Piece | None:
@@ -338,16 +283,12 @@ def retrieve(view: WorkspaceView, cursor: Cursor, budget_chars: int) -> tuple[Sn
     (path lines included) is spent, rendered per file in path order (a file's pieces in file
     order), with paths relative to the file's root."""
     imports = resolve_imports(view, cursor.path, cursor.text, cursor.language_id)
-    names = _imported_pieces(view, cursor, imports)
-    usages = _usage_pieces(view, [name for name, _ in names], _usage_files(view, cursor))
-    ranked = [piece for name, definition in names for piece in ([definition] if definition else []) + usages.get(name, [])]
+    definitions_ranked = _imported_pieces(view, cursor, imports)
     windows = _similar_windows(view, cursor, _window_files(view, cursor, imports))
     chosen: list[_Piece] = []
     left = budget_chars
-    shown = {(p.path, p.text) for p in ranked}
-    for piece in (*ranked, *[w for w in windows if not _covered(w, shown)]):
-        if any(c.path == piece.path and c.text == piece.text for c in chosen):
-            continue
+    shown = {(p.path, p.text) for p in definitions_ranked}
+    for piece in (*definitions_ranked, *[w for w in windows if not _covered(w, shown)]):
         cost = len(piece.text) + 1 + (0 if any(c.path == piece.path for c in chosen) else len(_relative(view, piece.path)) + 16)
         if cost <= left:
             chosen.append(piece)

@@ -408,15 +408,25 @@ class Completer:
         return suggestion[len(typed) :]
 
 
+# The cross-file budget with crossFile "workspace", as a share of the context (512 tokens at
+# 2048): retrieval ranks what it packs, so more room holds more of what the cursor needs (on the
+# cross-file dev set 512 tokens did better than 256). "open" keeps the share it always had.
+WORKSPACE_SNIPPET_SHARE = 1 / 4
+
+
 def prompt_budget(settings: Settings, max_model_len: int) -> PromptBudget:
     """The prompt's token budgets for a model with ``max_model_len`` tokens of context: the user's
-    contextTokens/suffixTokens where set, shares of the context otherwise (1024/256 at 2048)."""
+    contextTokens/suffixTokens/crossFileTokens where set, shares of the context otherwise
+    (1024/256 at 2048, and 512 for the cross-file context from the workspace, 256 from open tabs)."""
+    snippet_tokens = settings.cross_file_tokens
+    if snippet_tokens is None and settings.cross_file == "workspace":
+        snippet_tokens = int(max_model_len * WORKSPACE_SNIPPET_SHARE)
     return PromptBudget.for_model(
         max_model_len,
         settings.max_tokens,
         prefix_tokens=settings.context_tokens,
         suffix_tokens=settings.suffix_tokens,
-        snippet_tokens=settings.cross_file_tokens,
+        snippet_tokens=snippet_tokens,
     )
 
 

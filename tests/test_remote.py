@@ -765,7 +765,7 @@ async def test_budgets_follow_the_vllm_servers_max_model_len(vllm_pair: Pair) ->
         client.initialized(types.InitializedParams())
         engine = (await wait_ready(client, timeout=60))["engine"]
         assert engine["model"] == SERVED_NAME and engine["max_model_len"] == 2048
-        assert engine["budget"] == {"context_tokens": 1024, "suffix_tokens": 256, "header_tokens": 128, "cross_file_tokens": 256}
+        assert engine["budget"] == {"context_tokens": 1024, "suffix_tokens": 256, "header_tokens": 128, "cross_file_tokens": 512}
         assert "engine_args" not in engine and engine["warning"] is None
     finally:
         await client.shutdown_async(None)

@@ -85,24 +85,6 @@ def test_imported_definitions_come_whole_with_paths_relative_to_the_root(tmp_pat
     assert "colour_of_the_sky" not in "".join(s.text for s in found.snippets)
 
 
-def test_how_the_workspace_uses_an_imported_name_comes_with_it(tmp_path: Path, monkeypatch) -> None:
-    from context import retrieval
-
-    monkeypatch.setattr(retrieval, "MIN_SIMILARITY", 1.1)  # no similar windows: only the uses
-    root = make_tree(tmp_path)
-    (root / "pkg" / "server.py").write_text(
-        "from pkg.util import parse_header\n\n\ndef serve(req):\n"
-        "    options = parse_header(req.headers['Content-Type'], strict=True)\n"
-        "    if options:\n"
-        "        options = parse_header(req.headers['Content-Type'], strict=True)\n"
-        "    return options\n"
-    )
-    found = context_for(root, MAIN)
-    used = next(s for s in found.snippets if s.path == "pkg/server.py")
-    # The line, once (the commonest uses first), without the code around it.
-    assert used.text == "options = parse_header(req.headers['Content-Type'], strict=True)"
-
-
 def test_an_unrelated_open_tab_does_not_get_in_a_related_one_does(tmp_path: Path) -> None:
     root = make_tree(tmp_path)
     weather = str(root / "pkg" / "weather.py")
@@ -235,6 +217,8 @@ def test_cross_file_settings() -> None:
     assert merge_settings(Settings(), {"crossFile": "open"}).cross_file == "open"
     with pytest.raises(ConfigError, match='"off" or "open" or "workspace"'):
         merge_settings(Settings(), {"crossFile": "tabs"})
-    assert prompt_budget(Settings(), 2048).snippet_tokens == 256
+    assert prompt_budget(Settings(), 2048).snippet_tokens == 512  # from the workspace
+    assert prompt_budget(Settings(), 2048).prefix_tokens == 1024  # with room for it at the default maxTokens
+    assert prompt_budget(merge_settings(Settings(), {"crossFile": "open"}), 2048).snippet_tokens == 256  # as before
     assert prompt_budget(merge_settings(Settings(), {"crossFileTokens": 600}), 2048).snippet_tokens == 600
     assert prompt_budget(merge_settings(Settings(), {"crossFileTokens": 600}), 2048).prefix_tokens < 1024  # room is shared
