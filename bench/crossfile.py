@@ -57,7 +57,6 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench` importable
 
 from bench.quality import (  # noqa: E402
     CACHE,
-    READY_TIMEOUT_S,
     RESULTS,
     SEED,
     Case,
@@ -200,50 +199,27 @@ class WorkspaceServer(Server):
     async def start(self) -> float:
         """Seconds until the engine is ready and the first folder scanned."""
         started = time.perf_counter()
-        await self.launch()
+        await self.launch_in_checkout()
         await self.wait_ready()
         if self.refusals():
             raise RuntimeError(f"the server refused the settings: {self.refusals()[0]}")
         await self.wait_scan()
         return time.perf_counter() - started
 
-    async def launch(self) -> None:
+    async def launch_in_checkout(self) -> None:
         """The process started and initialized (the engine loads in the background)."""
-        command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
-        if self.model_path:
-            command += ["--model", self.model_path]
-
-        @self.client.feature(types.WINDOW_SHOW_MESSAGE)
-        def show_message(params: types.ShowMessageParams) -> None:
-            self.messages.append(params.message)
-
-        # `python -m lsp` imports the package of its working directory: that checkout's code.
-        await self.client.start_io(*command, cwd=str(self.checkout))
-        self._drain = asyncio.create_task(self._drain_stderr())
-        await self.client.initialize_async(
+        await super().launch(
+            self.checkout,
             types.InitializeParams(
                 capabilities=types.ClientCapabilities(),
                 root_uri=self.folder.as_uri() if self.folder else None,
                 workspace_folders=[folder_item(self.folder)] if self.folder else None,
                 initialization_options=self.options,
-            )
+            ),
         )
-        self.client.initialized(types.InitializedParams())
         await asyncio.sleep(0.5)  # the refusal is a showMessage sent while initializing: fail before the model loads
         if self.refusals():
             raise RuntimeError(f"the server refused the settings: {self.refusals()[0]}")
-
-    async def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            engine = (await self.stats())["engine"]
-            if engine["ready"]:
-                return
-            if engine["error"]:
-                raise RuntimeError(f"engine failed to start: {engine['error']} (log: {self.log_path})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine not ready after {READY_TIMEOUT_S} s (log: {self.log_path})")
-            await asyncio.sleep(0.5)
 
     async def wait_scan(self, timeout_s: float = SCAN_WAIT_S) -> dict[str, Any] | None:
         """The ``workspace`` stats once the background scan of the current folder is done (None

@@ -424,7 +424,7 @@ async def measure(args: argparse.Namespace, tree: Path, path: Path, text: str) -
     launched = time.monotonic()
     poller: asyncio.Task[None] | None = None
     try:
-        await server.launch()
+        await server.launch_in_checkout()
         poller = asyncio.create_task(poll(server, samples, launched, stop))
         await server.wait_ready()
         ready_s = time.monotonic() - launched

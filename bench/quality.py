@@ -489,7 +489,9 @@ class Server:
         self.messages: list[str] = []
         self._drain: asyncio.Task[None] | None = None
 
-    async def start(self) -> float:
+    async def launch(self, cwd: Path, params: types.InitializeParams) -> None:
+        """The process started from ``cwd`` (``python -m lsp`` imports that checkout's code) and
+        initialized with ``params``; the engine loads in the background."""
         command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
         if self.model_path:
             command += ["--model", self.model_path]
@@ -498,29 +500,34 @@ class Server:
         def show_message(params: types.ShowMessageParams) -> None:
             self.messages.append(params.message)
 
-        started = time.perf_counter()
-        await self.client.start_io(*command, cwd=str(ROOT))
+        await self.client.start_io(*command, cwd=str(cwd))
         # The server's stderr is a pipe nobody else reads: drain it to a file, or vLLM's start-up
         # logging fills it and blocks the server.
         self._drain = asyncio.create_task(self._drain_stderr())
-        await self.client.initialize_async(
-            types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=self.options)
-        )
+        await self.client.initialize_async(params)
         self.client.initialized(types.InitializedParams())
+
+    async def start(self) -> float:
+        started = time.perf_counter()
+        await self.launch(ROOT, types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=self.options))
+        await self.wait_ready()
+        config_errors = [m for m in self.messages if "initializationOptions" in m]
+        if config_errors:
+            raise RuntimeError(f"the server refused the settings: {config_errors[0]}")
+        return time.perf_counter() - started
+
+    async def wait_ready(self) -> None:
+        """Until the engine is ready (an engine that failed, or took too long, raises)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             engine = (await self.stats())["engine"]
             if engine["ready"]:
-                break
+                return
             if engine["error"]:
                 raise RuntimeError(f"engine failed to start: {engine['error']} (log: {self.log_path})")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engine not ready after {READY_TIMEOUT_S} s (log: {self.log_path})")
             await asyncio.sleep(0.5)
-        config_errors = [m for m in self.messages if "initializationOptions" in m]
-        if config_errors:
-            raise RuntimeError(f"the server refused the settings: {config_errors[0]}")
-        return time.perf_counter() - started
 
     async def _drain_stderr(self) -> None:
         stream = self.client._server.stderr if self.client._server else None

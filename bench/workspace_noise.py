@@ -43,6 +43,8 @@ EVAL = ROOT.parent / "shared" / "eval"
 SETS = ("humaneval_infilling_dev.jsonl", "safim_dev.jsonl")
 EXTENSIONS = {"python": ".py", "cpp": ".cpp", "java": ".java", "csharp": ".cs", "c_sharp": ".cs"}
 BUDGET = PromptBudget.for_model(2048, 48)
+# crossFile "workspace" budgets its context apart (lsp/completer.py:prompt_budget).
+WORKSPACE_BUDGET = PromptBudget.for_model(2048, 48, snippet_tokens=2048 // 4)
 
 # Run inside the --base checkout: the md5 of each case's prompt, from the shared build_prompt API.
 BASE_SCRIPT = """
@@ -135,10 +137,10 @@ def main() -> int:
             index = WorkspaceIndex([str(folder)])
             index.scan()
             view = WorkspaceView(index, {str(path): OpenFile(text, language)})
-            cross = workspace_context(view, Cursor(str(path), text, offset, language), BUDGET.snippet_chars)
+            cross = workspace_context(view, Cursor(str(path), text, offset, language), WORKSPACE_BUDGET.snippet_chars)
             with_snippets += bool(cross.snippets)
             workspace = anchored_prompt(PromptRequest(text, offset, uri=uri, language_id=language, tree=doc.tree,
-                                                      template=qwen, budget=BUDGET, heal=True, cross_file=cross))
+                                                      template=qwen, budget=WORKSPACE_BUDGET, heal=True, cross_file=cross))
             plain_md5.append(md5(plain.text))
             if workspace.text != plain.text:
                 differ.append(case["id"])
