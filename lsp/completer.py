@@ -23,7 +23,7 @@ from cachetools import LRUCache
 from context.baselines import Cutter, Strategy, strategy
 from context.document import Document
 from context.fim import FimTemplate, choose_template
-from context.prompt import NO_CROSS_FILE, CrossFile, Prompt, PromptBudget
+from context.prompt import NO_CROSS_FILE, TEMPLATE_RESERVE_TOKENS, CrossFile, Prompt, PromptBudget
 from context.site import CompletionSite, site_at
 from engine.base import Engine, EngineError, EngineNotReady, GenerationParams
 from lsp.config import Settings
@@ -410,24 +410,28 @@ class Completer:
 
 # The cross-file budget with crossFile "workspace", as a share of the context (512 tokens at
 # 2048): retrieval ranks what it packs, so more room holds more of what the cursor needs (on the
-# cross-file dev set 512 tokens did better than 256). "open" keeps the share it always had.
+# cross-file dev set 512 tokens did better than 256). It takes only room the other parts leave
+# free, so the current file's window is the same with or without it; "open" keeps its old share.
 WORKSPACE_SNIPPET_SHARE = 1 / 4
 
 
 def prompt_budget(settings: Settings, max_model_len: int) -> PromptBudget:
     """The prompt's token budgets for a model with ``max_model_len`` tokens of context: the user's
     contextTokens/suffixTokens/crossFileTokens where set, shares of the context otherwise
-    (1024/256 at 2048, and 512 for the cross-file context from the workspace, 256 from open tabs)."""
-    snippet_tokens = settings.cross_file_tokens
-    if snippet_tokens is None and settings.cross_file == "workspace":
-        snippet_tokens = int(max_model_len * WORKSPACE_SNIPPET_SHARE)
-    return PromptBudget.for_model(
+    (1024/256 at 2048, and for the cross-file context 512 from the workspace, 256 from open tabs)."""
+    budget = PromptBudget.for_model(
         max_model_len,
         settings.max_tokens,
         prefix_tokens=settings.context_tokens,
         suffix_tokens=settings.suffix_tokens,
-        snippet_tokens=snippet_tokens,
+        snippet_tokens=settings.cross_file_tokens,
     )
+    if settings.cross_file_tokens is not None or settings.cross_file != "workspace":
+        return budget
+    room = max_model_len - settings.max_tokens - TEMPLATE_RESERVE_TOKENS
+    free = room - (budget.prefix_tokens + budget.suffix_tokens + budget.header_tokens + budget.snippet_tokens)
+    wanted = int(max_model_len * WORKSPACE_SNIPPET_SHARE)
+    return dataclasses.replace(budget, snippet_tokens=max(budget.snippet_tokens, min(wanted, budget.snippet_tokens + free)))
 
 
 def complete_lines(text: str) -> str:
