@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from context.imports import ResolvedImport, resolve_imports
 from context.languages import language_info, normalize_language_id
-from context.memo import TextMemo
 from context.snippets import CrossFile, Definition, Snippet, definitions
 from context.workspace import FileSummary, WorkspaceIndex
 
@@ -57,11 +56,11 @@ _COMMON = frozenset(
 
 @dataclass(frozen=True)
 class OpenFile:
-    """An open document as retrieval sees it: its live text and the memo of its definitions."""
+    """An open document as retrieval sees it: its live text (a snapshot: retrieval runs in a worker
+    thread, so the document's own memo is not used)."""
 
     text: str
     language_id: str
-    memo: TextMemo | None = None
 
 
 class WorkspaceView:
@@ -87,7 +86,7 @@ class WorkspaceView:
         if found is None:
             return self.index.summary(path)
         language_id = normalize_language_id(found.language_id, path)
-        found_definitions = definitions(found.text, language_id, path, found.memo, private=True)
+        found_definitions = definitions(found.text, language_id, path, private=True)
         return FileSummary(path, language_id, -1, len(found.text), found_definitions)
 
     def files_in(self, directory: str) -> tuple[str, ...]:
@@ -113,10 +112,9 @@ def identifiers(text: str) -> set[str]:
     return {word for word in _IDENTIFIER.findall(text) if word not in _COMMON and len(word) > 1}
 
 
-def _lines_between(text: str, offset: int, first: int, last: int) -> tuple[list[str], int]:
-    """Lines ``first`` to ``last`` (exclusive, clamped) of ``text`` and the cursor's line number,
-    read around ``offset`` only (a keystroke in a large file must not split all of it)."""
-    line = text.count("\n", 0, offset)
+def _lines_between(text: str, offset: int, line: int, first: int, last: int) -> list[str]:
+    """Lines ``first`` to ``last`` (exclusive, clamped) of ``text``, whose cursor at ``offset`` is
+    on ``line``; read around the cursor only (a keystroke in a large file must not split all of it)."""
     start = text.rfind("\n", 0, offset) + 1
     for _ in range(max(0, line - max(0, first))):
         start = text.rfind("\n", 0, start - 1) + 1
@@ -127,7 +125,7 @@ def _lines_between(text: str, offset: int, first: int, last: int) -> tuple[list[
             end = len(text)
             break
         end = found + 1
-    return text[start:end].split("\n")[: max(0, last - max(0, first))], line
+    return text[start:end].split("\n")[: max(0, last - max(0, first))]
 
 
 def near_region(text: str, offset: int) -> str:
@@ -136,7 +134,7 @@ def near_region(text: str, offset: int) -> str:
     line = text.count("\n", 0, offset)
     base = line // REGION_STEP * REGION_STEP
     first = max(0, base - NEAR_LINES)
-    lines, _ = _lines_between(text, offset, first, base + REGION_STEP + NEAR_LINES)
+    lines = _lines_between(text, offset, line, first, base + REGION_STEP + NEAR_LINES)
     return "\n".join(lines[: line - first] + lines[line - first + 1 :])
 
 
@@ -146,7 +144,7 @@ def query_lines(text: str, offset: int) -> str:
     line = text.count("\n", 0, offset)
     end = line // QUERY_STEP * QUERY_STEP
     first = max(0, end - QUERY_LINES)
-    lines, _ = _lines_between(text, offset, first, line)
+    lines = _lines_between(text, offset, line, first, line)
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lsprotocol import types
@@ -40,7 +40,6 @@ class _Shared:
     index: WorkspaceIndex
     sessions: int = 0
     scan: asyncio.Task[None] | None = None
-    started: float = field(default_factory=time.monotonic)
     scan_s: float | None = None  # how long the first full listing took
 
 
