@@ -8,7 +8,7 @@ comments), and :func:`error_count` the tree-sitter ERROR/MISSING count behind th
 
 from __future__ import annotations
 
-from tree_sitter import Node
+from tree_sitter import Node, Parser
 
 from context.languages import LanguageInfo, parser_for
 from context.surroundings import Surroundings, is_closer_line, leading_space, parse_window
@@ -137,42 +137,119 @@ def balance(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str
 _CHECK_CHARS = 2500
 
 
-def parsing_lines(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str, truncated: bool) -> str:
-    """The longest run of ``text``'s first lines that the document parses with: no more
-    tree-sitter ERROR/MISSING nodes than without the completion (the ``syntax_ok`` metric).
-    Catches what the line rules cannot see, e.g. a line at the wrong depth for Python
-    (``return x`` dedented out of the loop that the suffix continues, a header's body not
-    indented). Only when the whole text fails; when no first lines parse, ``""``, or the first
-    line when the token limit cut the text (it is the start of a statement, as in step 1)."""
-    parser = parser_for(site.lang)
-    if parser is None:
-        return text
-    # A few KB around the cursor, parsed once; each candidate is an edit of that tree, which
-    # tree-sitter reparses incrementally (this runs on every final multi-line answer). The same
-    # window is parsed with and without the completion, so its cut edges count the same.
-    prefix, suffix = parse_window(prefix, suffix, _CHECK_CHARS)
-    head = prefix.encode("utf-8", "surrogatepass")
-    tail = suffix.encode("utf-8", "surrogatepass")
-    base = parser.parse(head + tail)
-    before = _errors(base.root_node)
-    at = (prefix.count("\n"), len(head) - (head.rfind(b"\n") + 1))  # (row, byte column)
+class InsertionCheck:
+    """Does inserting a candidate at the cursor keep the parse as good as without it (no more
+    tree-sitter ERROR/MISSING nodes, the ``syntax_ok`` metric)? A few KB around the cursor are
+    parsed once; each candidate is an edit of that tree, which tree-sitter reparses
+    incrementally. The same window is parsed with and without the completion, so its cut edges
+    count the same. ``None`` from :meth:`of` for a language without a grammar."""
 
-    def parses(candidate: str) -> bool:
-        inserted = (candidate + joiner).encode("utf-8", "surrogatepass")
+    def __init__(self, parser: Parser, prefix: str, suffix: str, joiner: str) -> None:
+        prefix, suffix = parse_window(prefix, suffix, _CHECK_CHARS)
+        self._parser = parser
+        self._joiner = joiner
+        self._head = prefix.encode("utf-8", "surrogatepass")
+        self._tail = suffix.encode("utf-8", "surrogatepass")
+        self._base = parser.parse(self._head + self._tail)
+        self._before = _errors(self._base.root_node)
+        self._at = (prefix.count("\n"), len(self._head) - (self._head.rfind(b"\n") + 1))  # (row, byte column)
+
+    @classmethod
+    def of(cls, prefix: str, suffix: str, site: Surroundings, joiner: str) -> InsertionCheck | None:
+        parser = parser_for(site.lang)
+        return None if parser is None else cls(parser, prefix, suffix, joiner)
+
+    def parses(self, candidate: str) -> bool:
+        return self.errors(candidate) <= self._before
+
+    def errors(self, candidate: str) -> int:
+        """ERROR/MISSING nodes with ``candidate`` inserted."""
+        inserted = (candidate + self._joiner).encode("utf-8", "surrogatepass")
         rows = inserted.count(b"\n")
+        at = self._at
         end = (at[0] + rows, (at[1] if rows == 0 else 0) + len(inserted) - (inserted.rfind(b"\n") + 1))
-        tree = base.copy()
-        tree.edit(len(head), len(head), len(head) + len(inserted), at, at, end)
-        return _errors(parser.parse(head + inserted + tail, tree).root_node) <= before
+        start = len(self._head)
+        tree = self._base.copy()
+        tree.edit(start, start, start + len(inserted), at, at, end)
+        return _errors(self._parser.parse(self._head + inserted + self._tail, tree).root_node)
 
-    if parses(text):
+
+def parsing_lines(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str, truncated: bool) -> str:
+    """The longest run of ``text``'s first lines that the document parses with (see
+    :class:`InsertionCheck`). Catches what the line rules cannot see, e.g. a line at the wrong
+    depth for Python (``return x`` dedented out of the loop that the suffix continues, a
+    header's body not indented). Only when the whole text fails; when no first lines parse,
+    ``""``, or the first line when the token limit cut the text (it is the start of a
+    statement, as in step 1)."""
+    check = InsertionCheck.of(prefix, suffix, site, joiner)
+    if check is None or check.parses(text):
         return text
     lines = text.split("\n")
     for k in range(len(lines) - 1, 0, -1):
         candidate = "\n".join(lines[:k]).rstrip()
-        if candidate.strip() and parses(candidate):
+        if candidate.strip() and check.parses(candidate):
             return candidate
     return lines[0] if truncated else ""
+
+
+# A single-line answer is cut back at most this many token boundaries from its end.
+_MAX_TOKEN_CUTS = 32
+
+
+def parsing_tokens(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str, truncated: bool = False) -> str:
+    """A single-line answer whose insertion leaves more tree-sitter errors than a start of it
+    (cut at a token boundary) does: the longest start with the fewest errors. That is where the
+    node at the cursor ended and the suffix takes over (``x > 0: self.a()`` before the suffix's
+    `` self.b()`` ends at ``x > 0:``; ``i++package a;`` before ``)`` ends at ``i++``). The
+    document without the answer may have errors of its own (an empty ``if ()``), so starts are
+    compared with each other, not with it. Unchanged when no start is better."""
+    check = InsertionCheck.of(prefix, suffix, site, joiner)
+    if check is None:
+        return text
+    best, fewest = text, check.errors(text)
+    if fewest == 0:
+        return text
+    for end in _token_ends(text)[:_MAX_TOKEN_CUTS]:
+        candidate = text[:end].rstrip()
+        if not candidate.strip():
+            break
+        if _dangling(candidate):
+            continue  # a node does not end on an operator (`self.` parses before ` self.b()`)
+        errors = check.errors(candidate)
+        if errors < fewest:
+            best, fewest = candidate, errors
+            if errors == 0:
+                break
+    return best
+
+
+def _token_ends(text: str) -> list[int]:
+    """The offsets in ``text`` where a token ends, the last first (text's own end excluded): not
+    inside a word or a run of operator characters (``!=``, ``>>``), not after a space."""
+    ends = []
+    for p in range(len(text) - 1, 0, -1):
+        a, b = text[p - 1], text[p]
+        if a.isspace() or (_word(a) and _word(b)) or (_operator(a) and _operator(b)):
+            continue
+        ends.append(p)
+    return ends
+
+
+def _dangling(text: str) -> bool:
+    """Does ``text`` end with an opener, a ``.`` / ``,`` or an operator (postfix ``++`` / ``--``
+    and Rust's ``?`` aside)?"""
+    last = text[-1]
+    if last in _OPENERS or last in ".,":
+        return True
+    return _operator(last) and not text.endswith(("++", "--", "?"))
+
+
+def _operator(ch: str) -> bool:
+    return not (ch.isspace() or _word(ch) or ch in _OPENERS or ch in CLOSERS or ch in ",;:\"'`")
+
+
+def _word(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
 
 
 def _closer_tail(text: str) -> int | None:
@@ -221,7 +298,8 @@ def _overlap_rest(text: str, site: Surroundings) -> str | None:
     for k in range(min(len(rest), len(body)) - 1, 3, -1):
         piece = rest[:k]
         if body.endswith(piece) and any(c.isalnum() for c in piece) and not rest[k].isalnum():
-            return body[: len(body) - k]
+            cut = body[: len(body) - k]
+            return cut.rstrip(" \t") if site.after[:1].isspace() else cut
     return None
 
 

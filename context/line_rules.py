@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from context.brackets import CLOSERS, scan_brackets
 from context.chat import chat_start
 from context.languages import TAB_WIDTH, indent_columns
+from context.suffix_rules import TERMINAL, header_end, repeats_suffix, statement_start, suffix_continues
 from context.surroundings import (
     Mode,
     Surroundings,
@@ -283,11 +284,13 @@ def _rescale_levels(out: list[str], site: Surroundings) -> list[str]:
     return [out[0]] + [rescale(line) for line in out[1:]]
 
 
-def keep_lines(lines: list[str], site: Surroundings, mode: Mode, final: bool) -> int | None:
-    """How many of ``lines`` make the completion, or ``None`` while undecided (not ``final``)."""
+def keep_lines(lines: list[str], site: Surroundings, mode: Mode, final: bool, stopped: bool = False) -> int | None:
+    """How many of ``lines`` make the completion, or ``None`` while undecided (not ``final``).
+    ``stopped``: the lines end where these rules stopped the stream (see
+    :func:`context.postprocess.postprocess`)."""
     if not lines:
         return 0
-    keep = _single_keep(lines, site, final) if mode == "single" else _multi_keep(lines, site, final)
+    keep = _single_keep(lines, site, final) if mode == "single" else _multi_keep(lines, site, final, stopped)
     # A loop is judged within what the rules keep (or all there is, while they wait for more).
     loop = _loop_end(lines, site, len(lines) if keep is None else keep, final)
     return loop if loop is not None and (keep is None or loop < keep) else keep
@@ -319,13 +322,9 @@ def _single_keep(lines: list[str], site: Surroundings, final: bool) -> int | Non
     return 0 if final else None
 
 
-def _multi_keep(lines: list[str], site: Surroundings, final: bool) -> int | None:
+def _multi_keep(lines: list[str], site: Surroundings, final: bool, stopped: bool = False) -> int | None:
     n = len(lines)
     complete = completeness(n, final)
-
-    def full(i: int) -> str:
-        return site.before + lines[0] if i == 0 and site.blank_before else lines[i]
-
     first = next((i for i in range(n) if lines[i].strip()), None)
     if first is None:
         return 0 if final else None
@@ -334,27 +333,50 @@ def _multi_keep(lines: list[str], site: Surroundings, final: bool) -> int | None
     outer = _outer_definition(lines, site, complete)
     if outer is not False:
         return None if outer is None else 0
+    at_cursor = first > 0 or site.blank_before  # the first line stands at the cursor's column
+    head = site.before + lines[0] if first == 0 and site.blank_before else lines[first]
     nxt = site.next_lines[0] if site.next_lines else None
-    if nxt is not None and (first > 0 or site.blank_before) and same_line(full(first), nxt):
+    if nxt is not None and at_cursor and same_line(head, nxt):
         return first
-    base = indent_columns(full(first)) if (first > 0 or site.blank_before) else indent_columns(site.before)
-    definition = opens_block(lines[first], site.info) and _definition_level(full(first), base, site)
+    base = indent_columns(head) if at_cursor else indent_columns(site.before)
+    stop, repeated = _block_end(lines, first, base, head, site, complete)
+    if stop is None:
+        if not final:
+            return None
+        stop, repeated = _before_comments(lines, n, first, base), stopped
+    return stop if repeated else header_end(lines, first, stop, site)
+
+
+def _block_end(
+    lines: list[str], first: int, base: int, head: str, site: Surroundings, complete: Callable[[int], bool]
+) -> tuple[int | None, bool]:
+    """Where the block that starts at line ``first`` (at column ``base``) ends, ``None`` while
+    the lines so far do not say; and whether it ends because the model repeats the suffix's next
+    line (then it is in step with the suffix: the lines before are what it lacks)."""
+    nxt = site.next_lines[0] if site.next_lines else None
+    definition = opens_block(lines[first], site.info) and _definition_level(head, base, site)
     deeper = closed = False
-    for i in range(first + 1, n):
+    returned = bool(TERMINAL.match(lines[first].strip()))  # code after it at its level is dead
+    for i in range(first + 1, len(lines)):
         line = lines[i]
         stripped = line.strip()
         if not stripped:
             continue
         if not complete(i):
-            return None
+            return None, False
         if nxt is not None and same_line(line, nxt):
-            return _before_comments(lines, i, first, base)
+            return _before_comments(lines, i, first, base), True
         width = indent_columns(line)
         if is_comment(stripped):
             continue  # comments (often at column 0) end no block; the next code line decides
+        if repeats_suffix(line, base, site):
+            return _before_comments(lines, statement_start(lines, i, first, base), first, base), False
+        if width == base and (returned or suffix_continues(stripped, base, site)):
+            return _before_comments(lines, i, first, base), False
+        returned = returned or (width == base and bool(TERMINAL.match(stripped)))
         closer = is_closer_line(stripped)
         if closed and not closer:
-            return _before_comments(lines, i, first, base)
+            return _before_comments(lines, i, first, base), False
         if width < base:
             if closer:
                 closed = True
@@ -364,12 +386,12 @@ def _multi_keep(lines: list[str], site: Surroundings, final: bool) -> int | None
                 # next line back at the `if`'s column (not deeper) ends the completion.
                 base = width + 1
                 continue
-            return _before_comments(lines, i, first, base)
+            return _before_comments(lines, i, first, base), False
         if width > base:
             deeper = True
         elif definition and deeper and not closer and not site.info.statement_continuation.match(stripped):
-            return _before_comments(lines, i, first, base)
-    return n if final else None
+            return _before_comments(lines, i, first, base), False
+    return None, False
 
 
 def _outer_definition(lines: list[str], site: Surroundings, complete: Callable[[int], bool]) -> bool | None:

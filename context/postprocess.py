@@ -34,7 +34,7 @@ import re
 
 from tree_sitter import Tree
 
-from context.brackets import CLOSERS, balance, error_count, parsing_lines, scan_brackets, trim_overlap
+from context.brackets import CLOSERS, balance, error_count, parsing_lines, parsing_tokens, scan_brackets, trim_overlap
 from context.fim import strip_control_tokens
 from context.languages import LanguageInfo, normalize_language_id
 from context.line_rules import empty_pair, keep_lines, prepare_lines
@@ -102,7 +102,13 @@ def completion_mode(
       a just-opened block, and an empty line where a new statement or definition is expected
       (between statements, after the last one, at top level). How much of a block comes back
       is limited by :func:`find_stop` (indentation scope, the repeated next line, one
-      definition at a time), not by the mode. The cursor at the start of a line that has code
+      definition at a time), not by the mode. Between statements of a block that goes on below
+      the cursor, that is one statement unless the model's next lines are new code: it ends
+      before a line the suffix has, before a ``return`` or branch that clashes with the
+      suffix, and (Python) after a header whose body the suffix holds; an empty block body
+      (after ``def f():``, ``{``, ``=>``) takes the whole block. The same rules serve every
+      language family: indentation-significant ones (Python) and brace ones (C, C++, Java, C#,
+      JavaScript/TypeScript, Go, Rust), read from ``LanguageInfo``. The cursor at the start of a line that has code
       after it (whole lines being inserted above that code) is ``multi`` too; the completion
       then ends with a line break so the code keeps its own line.
       Unless that code starts with punctuation (``|;``, ``|)``, ``|.method()``, ``|= 1``): then
@@ -161,9 +167,22 @@ def find_stop(
         ``fn``, ``class``, a method header at top level or in a class/impl body; any block
         opened at column 0), starts the next statement at the block's indentation.
 
+      - where the block goes on below the cursor (the suffix's next line is at the block's
+        column), is a ``return`` / ``raise`` / ``throw`` / ``break`` / ``continue`` at the
+        block's column (the suffix's code would be unreachable), or a branch (``elif``,
+        ``else if``) when the suffix's next line is a branch already; and any line at the
+        block's column after such a statement of the model's own,
+      - repeats a later line of the suffix (indentation included, not a closer or a bare
+        keyword): the block ends before the statement at the block's column that holds it
+        (the model is writing the code that follows),
+
+      and where indentation is significant, a first line that is a header one level above the
+      suffix's next line (``for c in s:`` before the loop's body) is the whole completion
+      unless the model comes back to that line (it was writing what was missing before it).
+
       Comment lines never end a block by their indentation (commented-out code sits at column
       0); blank lines and comments indented below the block just before the stop are left out
-      (they belong to what follows).
+      (they belong to what follows), and so are those at the end of the text.
 
       Indentation is judged after the same fixes :func:`postprocess` applies (tabs vs spaces,
       lines written relative to column 0), so a model that indents wrongly is not cut short.
@@ -199,8 +218,14 @@ def postprocess(
     truncated: bool = False,
     healed: str = "",
     partial: bool = False,
+    stopped: bool = False,
 ) -> str:
     """The text to insert at the cursor, or ``""`` when nothing useful remains.
+
+    ``stopped``: ``generated`` ends where :func:`find_stop` stopped it (the streaming cutter's
+    final text), so the rules that judge a block by its last line have been applied already, to
+    the line that made the stop (the line after the end is gone: one that repeated the suffix
+    showed the model in step with it, and the block is then kept whole).
 
     ``partial``: the text is still streaming (a preview); the parse check of step 6b is left
     for the final text.
@@ -246,7 +271,10 @@ def postprocess(
     6b. Parse check (multi, final text, languages with a grammar): when inserting the block
        adds ERROR/MISSING nodes, it is cut back to its longest run of first lines that does
        not (``""`` when none, the first line when ``truncated``): a line at the wrong depth, a
-       header left without its body.
+       header left without its body. In ``single`` mode (final text, a grammar), an answer
+       whose insertion leaves more ERROR/MISSING nodes than a start of it cut at a token
+       boundary is cut to the longest such start with the fewest: the node at the cursor
+       ended there (``x > 0: self.a()`` before the suffix's `` self.b()`` -> ``x > 0:``).
     7. Trailing whitespace is stripped, except what the suffix needs: when the cursor sits before
        code at the start of a line (multi), the completion ends with a line break and the line's
        indentation, and trailing spaces before code on the same line are kept (``return |x``).
@@ -257,7 +285,9 @@ def postprocess(
     """
     try:
         site = surroundings_of(prefix, suffix, normalize_language_id(language_id))
-        return _postprocess(generated, site, prefix, suffix, mode, truncated=truncated, healed=healed, partial=partial)
+        return _postprocess(
+            generated, site, prefix, suffix, mode, truncated=truncated, healed=healed, partial=partial, stopped=stopped
+        )
     except Exception:
         log.warning("postprocess failed; falling back to the first line", exc_info=True)
         return _first_line(generated)
@@ -368,6 +398,7 @@ class SyntaxCutter(StreamCutter):
         self._previewed = ""
         self._preview = ("", "")  # (raw, text) of the last preview made
         self._language_id = language_id
+        self._stopped = False  # feed() stopped the text (finish() then knows find_stop cut it)
         # Summarised at the first chunk, not here: that work then overlaps the engine's prefill
         # instead of delaying the request (as find_stop did before the cutter existed).
         self._summary: tuple[Surroundings | None] | None = None
@@ -390,19 +421,21 @@ class SyntaxCutter(StreamCutter):
 
     def finish(self, truncated: bool) -> str:
         """The text to insert once the stream ended; ``truncated``: by the token limit or the deadline."""
-        return self._text(self.raw, truncated=truncated, partial=False)
+        return self._text(self.raw, truncated=truncated, partial=False, stopped=self._stopped)
 
     def _stop(self) -> int | None:
         site = self._site()
         if site is None:
             return None  # as find_stop does when it fails: the token limit ends the text
         try:
-            return _stop_at(self.raw, site, self.mode, self.healed)
+            stop = _stop_at(self.raw, site, self.mode, self.healed)
+            self._stopped = stop is not None
+            return stop
         except Exception:
             log.warning("find_stop failed; letting generation continue", exc_info=True)
             return None
 
-    def _text(self, raw: str, *, truncated: bool, partial: bool) -> str:
+    def _text(self, raw: str, *, truncated: bool, partial: bool, stopped: bool = False) -> str:
         generated = strip_control_tokens(raw)
         site = self._site()
         if site is None:
@@ -410,7 +443,7 @@ class SyntaxCutter(StreamCutter):
         try:
             return _postprocess(
                 generated, site, self.prefix, self.suffix, self.mode,
-                truncated=truncated, healed=self.healed, partial=partial,
+                truncated=truncated, healed=self.healed, partial=partial, stopped=stopped,
             )
         except Exception:
             log.warning("postprocess failed; falling back to the first line", exc_info=True)
@@ -435,8 +468,9 @@ def _postprocess(
     truncated: bool,
     healed: str,
     partial: bool = False,
+    stopped: bool = False,
 ) -> str:
-    lines = _final_lines(generated, site, mode, truncated, healed)
+    lines = _final_lines(generated, site, mode, truncated, healed, stopped)
     if not lines:
         return ""
     text = "\n".join(lines)
@@ -449,15 +483,19 @@ def _postprocess(
     if not joiner:
         text = trim_overlap(text, prefix, suffix, site)
     text = balance(text, prefix, suffix, site, joiner)
-    if mode == "multi" and not partial:
+    if not partial and mode == "multi":
         text = parsing_lines(text, prefix, suffix, site, joiner, truncated)
+    elif not partial:
+        cut = parsing_tokens(text, prefix, suffix, site, joiner)
+        # What the cut left may end with the suffix's start again (the part after it was a comment).
+        text = trim_overlap(cut, prefix, suffix, site) if cut != text and not joiner else cut
     if not text.strip():
         return ""
     text = text.rstrip() + joiner if (joiner or not code_follows) else text
     return text.replace("\n", site.eol) if site.eol != "\n" else text
 
 
-def _final_lines(generated: str, site: Surroundings, mode: Mode, truncated: bool, healed: str) -> list[str]:
+def _final_lines(generated: str, site: Surroundings, mode: Mode, truncated: bool, healed: str, stopped: bool) -> list[str]:
     """Steps 1-4 of :func:`postprocess`: the lines to insert, before the suffix is consulted."""
     start, end = _special_span(generated)
     body = generated[start:end]
@@ -471,7 +509,7 @@ def _final_lines(generated: str, site: Surroundings, mode: Mode, truncated: bool
     text = prepare_lines(body, site, mode, healed, final=True)
     if text is None:
         return []
-    keep = keep_lines(text.lines, site, mode, final=True)
+    keep = keep_lines(text.lines, site, mode, final=True, stopped=stopped)
     lines = text.lines[: keep if keep is not None else len(text.lines)]
     lines = [line.rstrip() for line in lines[:-1]] + lines[-1:]
     while lines and not lines[-1].strip():

@@ -49,20 +49,24 @@ def generations(case: dict, rng: random.Random) -> list[str]:
 
 
 def reference(raw_chunks: list[str], prefix: str, suffix: str, lang: str, mode: str, healed: str, plain: bool):
-    """The completer's loop before the cutters existed: (the stopped raw text, previews, final)."""
+    """The completer's loop before the cutters existed: (the stopped raw text, previews, final);
+    the final text of a stopped stream is post-processed as such (``stopped``)."""
     raw, previews = "", []
+    stopped = False
 
     def finish(text: str, truncated: bool, partial: bool) -> str:
         text = strip_control_tokens(text)
         if plain:
             return plain_postprocess(text, mode)
-        return postprocess(text, prefix, suffix, lang, mode, healed=healed, truncated=truncated, partial=partial)
+        return postprocess(
+            text, prefix, suffix, lang, mode, healed=healed, truncated=truncated, partial=partial, stopped=stopped and not partial
+        )
 
     for chunk in raw_chunks:
         raw += chunk
         cut = plain_stop(raw, mode) if plain else find_stop(raw, prefix, suffix, lang, mode, healed=healed)
         if cut is not None:
-            raw = raw[:cut]
+            raw, stopped = raw[:cut], True
             break
         previews.append(finish(raw, False, partial=True))
     return raw, previews, finish(raw, True, partial=False), finish(raw, False, partial=False)
