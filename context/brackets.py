@@ -229,10 +229,20 @@ def _token_ends(text: str) -> list[int]:
     ends = []
     for p in range(len(text) - 1, 0, -1):
         a, b = text[p - 1], text[p]
-        if a.isspace() or (_word(a) and _word(b)) or (_operator(a) and _operator(b)):
+        inside_word = _word(a) and _word(b) and not (a.isdigit() and b.isalpha() and _number_ends(text, p))
+        if a.isspace() or inside_word or (_operator(a) and _operator(b)):
             continue
         ends.append(p)
     return ends
+
+
+def _number_ends(text: str, p: int) -> bool:
+    """Does a run of digits that is a number of its own (not the end of a name) end at ``p``
+    (``0package``: the model ran on after ``0``)?"""
+    k = p
+    while k > 0 and text[k - 1].isdigit():
+        k -= 1
+    return k == 0 or not _word(text[k - 1])
 
 
 def _dangling(text: str) -> bool:

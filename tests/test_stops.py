@@ -290,6 +290,12 @@ NODE_END = [
 
 
 NODE_END += [
+    (  # a number the model ran on from
+        "java",
+        "class B {\n    void f(int p) {\n        if (█) {\n            System.out.println(p);\n        }\n    }\n}\n",
+        "p==0package amd;",
+        "p==0",
+    ),
     (  # the rest of a statement before the suffix's `;`
         "cpp",
         "void SetBit(mpz_class& value, size_t index) {\n  █;  // Sets a bit\n}\n",
