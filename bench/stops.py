@@ -342,7 +342,7 @@ def main() -> None:
     if not args.cut_only:
         assert model_path is not None
         asyncio.run(generate(cases, model_path, args.max_tokens, args.concurrency, raw_path))
-    generated_s = time.monotonic() - started
+    generated_s: float | None = time.monotonic() - started
     cases_path = raw_path.with_suffix(".cases.json")
     cases_path.write_text(json.dumps(cases))
     cuts = {"after": cut_in(ROOT, raw_path, cases_path, "syntax")}
@@ -352,12 +352,14 @@ def main() -> None:
     records, summary = score_all(cases, cuts)
     print_table(summary)
     out = args.out or ROOT / "bench" / "results" / f"stops-{name}.json"
+    if args.cut_only:  # the generations are an earlier run's: keep what it took
+        generated_s = json.loads(out.read_text()).get("generated_s") if out.exists() else None
     out.write_text(json.dumps({
         "command": " ".join(["python", *sys.argv]),
         "model": name,
         "max_tokens": args.max_tokens,
         "commits": {"after": commit_of(ROOT), **({"before": commit_of(args.base)} if args.base else {})},
-        "generated_s": round(generated_s, 1),
+        "generated_s": None if generated_s is None else round(generated_s, 1),
         "date": time.strftime("%Y-%m-%d"),
         "summary": summary,
         "records": records,
