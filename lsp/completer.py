@@ -377,9 +377,11 @@ class Completer:
                     metrics.prompt_tokens = chunk.prompt_tokens
                     metrics.cached_tokens = chunk.cached_tokens or 0
                 metrics.streamed_tokens += chunk.token_count
-                if chunk.finish_reason == "length":
+                stopped = this.cutter.feed(chunk.text)
+                # A chunk that hits the token limit may also end the completion: then it is whole.
+                if chunk.finish_reason == "length" and not stopped:
                     metrics.truncated = True
-                if this.cutter.feed(chunk.text):
+                if stopped:
                     break
                 this.changed()
         finally:

@@ -63,11 +63,11 @@ class StreamCall:
     def aborted(self) -> bool:
         return self.closed or self.cancelled
 
-    async def send(self, text: str) -> None:
+    async def send(self, text: str, finish_reason: str | None = None) -> None:
         """Hands the consumer one chunk and returns once it has dealt with it (it asked for the
         next one, or it closed the stream)."""
         self.sent += 1
-        self._queue.put_nowait(Chunk(text, token_count=1))
+        self._queue.put_nowait(Chunk(text, token_count=1, finish_reason=finish_reason))
         await self._wait_for(lambda: self.asks > self.sent or self.finished)
 
     async def fail(self, error: EngineError) -> None:
@@ -208,6 +208,19 @@ async def test_completion_streams_from_a_fim_prompt(completer: Completer, engine
     assert done.text == " * height"
     assert done.metrics.mode == "single" and done.metrics.outcome == "ok"
     assert call.closed and not call.cancelled  # closed early, which aborts the engine-side request
+
+
+async def test_a_block_complete_at_the_token_limit_keeps_its_last_line(completer: Completer, engine: ScriptedEngine) -> None:
+    """The chunk that hits the token limit may also complete the block (the cutter stops on it):
+    the text is then whole, and its last line is not dropped as cut short."""
+    text = "def total(xs):\n    t = 0\n    \n"
+    task = start(completer, text, text.index("    \n") + 4)
+    call = await engine.next_call()
+    await call.send("for x in xs:\n        t += x\n")
+    await call.send("    return t\nprint(1)\n", finish_reason="length")
+    done = await result(task)
+    assert done.text == "for x in xs:\n        t += x\n    return t"
+    assert done.metrics.mode == "multi" and not done.metrics.truncated
 
 
 async def test_request_at_another_cursor_supersedes(completer: Completer, engine: ScriptedEngine) -> None:
