@@ -50,6 +50,10 @@ _DEFINITION = re.compile(
 )
 
 
+# A statement whose branches are not optional (``try`` needs ``except`` / ``catch`` / ``finally``).
+_TRY = re.compile(r"^(?:\}\s*)?try\b")
+
+
 # Blocks whose bodies list definitions.
 _CONTAINER = re.compile(
     r"^\s*(?:[\w()]+\s+)*(?:class|impl|interface|trait|namespace|mod|struct|enum|object|extern|module)\b"
@@ -209,21 +213,28 @@ def _fix_indentation(lines: list[str], site: Surroundings, mode: Mode, absolute:
             indent = leading_space(site.before)
             out = [out[0]] + [_shift(line, indent) for line in out[1:]]
 
-    if site.info.indentation_significant and site.empty_body:
-        out = _indent_empty_body(out, site)
+    if site.info.indentation_significant and opens_block(site.prev_line, site.info):
+        out = _indent_under_header(out, site)
     return _rescale_levels(out, site)
 
 
-def _indent_empty_body(out: list[str], site: Surroundings) -> list[str]:
-    """Where indentation is significant (Python) an empty block body must be indented deeper than
-    its header (an editor without smart indent leaves the cursor at the header's column, a model
-    may follow it): lines not deeper are shifted one level in. Brace languages do not care, and
-    real code there often keeps a body at its header's column."""
+def _indent_under_header(out: list[str], site: Surroundings) -> list[str]:
+    """Where indentation is significant (Python), what follows a block header is its body,
+    deeper than the header (an editor without smart indent leaves the cursor at the header's
+    column, a model may follow it): a first line not deeper is shifted, with the lines after it,
+    to the body's column: that of the suffix's next line when the suffix holds the body already
+    (the cursor before it), else one level in (an empty body; also before an ``else:`` that
+    follows). Brace languages do not care, and real code there often keeps a body at its
+    header's column."""
     header = indent_columns(site.prev_line)
     first_width = site.column + indent_columns(out[0])
     if first_width > header:
         return out
-    missing = header + (TAB_WIDTH if site.indent_char == "\t" else site.indent_unit) - first_width
+    nxt = indent_columns(site.next_lines[0]) if site.next_lines else 0
+    if nxt > header and (first_width < header or TERMINAL.match(out[0].strip())):
+        return out  # the suffix holds the body: a line left of the header, or a `return`, goes after the block
+    body = nxt if nxt > header else header + (TAB_WIDTH if site.indent_char == "\t" else site.indent_unit)
+    missing = body - first_width
     pad = "\t" * -(-missing // TAB_WIDTH) if site.indent_char == "\t" else " " * missing
     return [pad + out[0]] + [_shift(line, pad) for line in out[1:]]
 
@@ -436,7 +447,13 @@ def _continues_statement(stripped: str, width: int, base: int, site: Surrounding
         return False  # more of the block follows the cursor: a branch would split it
     # Past the block's closer (`}` the editor added), the suffix's own branch would follow.
     ahead = nxt[:2] if nxt and is_closer_line(nxt[0].strip()) else nxt[:1]
-    return not any(branch.match(line.strip()) for line in ahead)
+    if any(branch.match(line.strip()) for line in ahead):
+        return False
+    # The author's next statement right after the header's block (no closer between: Python):
+    # its body was what was missing, and an optional branch of the model's own (`else`) would
+    # come between them (the dev sets' authors wrote none); `try` needs its `except`.
+    goes_on = bool(nxt) and indent_columns(nxt[0]) == width and not is_closer_line(nxt[0].strip())
+    return not goes_on or _TRY.match(header.strip()) is not None
 
 
 def empty_pair(site: Surroundings) -> bool:

@@ -189,6 +189,8 @@ def find_stop(
       A dedented line that continues the statement whose block is being filled (``else:``,
       ``} else {``, ``except E:``, ``} catch (e) {`` at that statement's column, when the suffix
       does not continue it already) is kept; the next line back at that column ends the block.
+      Not when the author's next statement follows the header's block directly (Python: the
+      body was what was missing), except a ``try``'s ``except`` / ``finally``.
 
     * Both modes: a markdown fence line (three backticks) or chat prose after a blank line
       (instruct models close their answer and explain it) ends the completion as if the text
@@ -253,8 +255,10 @@ def postprocess(
     3. Indentation (multi, and the lines after the first in single): leading tabs/spaces follow
        the document's style; a first line that repeats the whitespace already before the cursor
        loses it; lines written relative to column 0 instead of the cursor's column are shifted
-       (also when the block the first line opens closes at column 0); an empty block body whose
-       completion is not indented deeper than its header is shifted one level in; in ``multi``,
+       (also when the block the first line opens closes at column 0); after a block header
+       (Python) a first line not indented deeper than the header is shifted to the body's
+       column (the suffix's next line's when it holds the body, unless the line is a ``return``
+       or left of the header; else one level in); in ``multi``,
        levels written with another width than the document's (4 vs 2 columns) are rescaled.
     4. Cut where :func:`find_stop` would stop (the final text counts as complete): chat text
        after code, a generation loop (one copy is kept), the block's end, the repeated next

@@ -76,13 +76,6 @@ class Surroundings:
     def column(self) -> int:
         return indent_columns(self.before) if self.blank_before else len(self.before)
 
-    @property
-    def empty_body(self) -> bool:
-        """The cursor is on an empty line right after a block opener whose body is still empty."""
-        if not self.blank_before or self.after.strip() or not opens_block(self.prev_line, self.info):
-            return False
-        return not self.next_lines or indent_columns(self.next_lines[0]) <= indent_columns(self.prev_line)
-
 
 def surroundings_of(prefix: str, suffix: str, lang: str) -> Surroundings:
     head = prefix[-_SCAN_CHARS:]

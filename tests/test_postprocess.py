@@ -376,11 +376,18 @@ DEDENT = [
         '\ndef sum_product_empty(numbers):\n    """Sum and product of nothing."""\n    return 0, 1\n',
         "",
     ),
-    (  # `else:` of the `if` whose body is being filled continues it
+    (  # `else:` of the `if` whose body is being filled continues it (at the end of the function)
+        "python",
+        "def sign(x):\n    if x >= 0:\n        █\n",
+        "s = 1\n    else:\n        s = -1\n",
+        "s = 1\n    else:\n        s = -1",
+    ),
+    (  # issue 16: the author's next statement follows the `if` directly: its body was missing,
+        # not a branch of the model's own (HumanEval single-line: 6 more whole answers right)
         "python",
         "def sign(x):\n    if x >= 0:\n        █\n    return s\n",
         "s = 1\n    else:\n        s = -1\n    return s\n",
-        "s = 1\n    else:\n        s = -1",
+        "s = 1",
     ),
     (
         "python",
@@ -390,7 +397,7 @@ DEDENT = [
     ),
     (  # a chain of branches; the next statement at the `if`'s column ends it
         "python",
-        "def grade(n):\n    if n > 90:\n        █\n    print(n)\n",
+        "def grade(n):\n    if n > 90:\n        █\n\n\nprint(grade(95))\n",
         "g = 'A'\n    elif n > 80:\n        g = 'B'\n    else:\n        g = 'C'\n    return g\n",
         "g = 'A'\n    elif n > 80:\n        g = 'B'\n    else:\n        g = 'C'",
     ),

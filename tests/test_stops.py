@@ -348,3 +348,34 @@ GOLDEN = [
 @pytest.mark.parametrize("lang,doc,generated,expected", GOLDEN)
 def test_golden(lang: str, doc: str, generated: str, expected: str) -> None:
     check(lang, doc, generated, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# Indentation of the block (Python): what follows a header is its body. A first line written at
+# the header's column goes in at the body's column: the suffix's next line's when the suffix
+# holds the body, one level in when the body is empty (also right before an `else:`).
+
+UNDER_HEADER = [
+    (
+        "def depth(s):\n    d = m = 0\n    for c in s:\n        if c == '(':\n█\n            m = max(d, m)\n"
+        "        else:\n            d -= 1\n    return m\n",
+        "        d += 1\n",
+        "            d += 1",
+    ),
+    (
+        "def count(bs):\n    d = 0\n    for b in bs:\n        if b == '<':\n█        else:\n            d -= 1\n    return d\n",
+        "        d += 1\n",
+        "            d += 1\n",
+    ),
+]
+
+
+@pytest.mark.parametrize("doc,generated,expected", UNDER_HEADER)
+def test_a_line_under_a_header_goes_into_its_body(doc: str, generated: str, expected: str) -> None:
+    check("python", doc, generated, expected)
+
+
+def test_try_keeps_its_except_before_the_code_that_follows() -> None:
+    doc = "def load(path):\n    try:\n        █\n    return data\n"
+    generated = "data = open(path).read()\n    except OSError:\n        data = ''\n    return data\n"
+    assert complete(doc, generated, "python") == "data = open(path).read()\n    except OSError:\n        data = ''"
