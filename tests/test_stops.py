@@ -78,20 +78,6 @@ TERMINAL = [
 ]
 
 
-def test_a_return_that_ends_the_block_is_kept() -> None:
-    """Where the block ends below the cursor (its next line is dedented), the model's ``return``
-    is the block's own ending."""
-    doc = "def mad(xs):\n    m = sum(xs) / len(xs)\n    █\n\n\nprint(mad([1, 2]))\n"
-    assert complete(doc, "d = [abs(x - m) for x in xs]\n    return sum(d) / len(xs)\n", "python") == (
-        "d = [abs(x - m) for x in xs]\n    return sum(d) / len(xs)"
-    )
-
-
-def test_nothing_after_a_return_at_the_block_level() -> None:
-    doc = "def f(xs):\n    █\n"
-    assert complete(doc, "return sorted(xs)\n    print(xs)\n", "python") == "return sorted(xs)"
-
-
 # --------------------------------------------------------------------------------------------
 # A line the suffix already has (not only its first line): the model is writing code that
 # follows the cursor. The completion ends before the statement (at the block's level) that
@@ -138,13 +124,6 @@ SUFFIX_LINES = [
         "let mut s = 0;",
     ),
 ]
-
-
-def test_a_bare_keyword_line_of_the_suffix_does_not_count() -> None:
-    """``else:`` / ``break`` repeat legitimately; only distinctive lines stop a block."""
-    doc = "def f(xs):\n    for x in xs:\n        █\n        if x < 0:\n            break\n    return xs\n"
-    generated = "if x == 0:\n            break\n        print(x)\n"
-    assert complete(doc, generated, "python") == "if x == 0:\n            break\n        print(x)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,18 +195,6 @@ HEADERS = [
         "        else:",
     ),
 ]
-
-
-@pytest.mark.parametrize("doc,generated,expected", HEADERS)
-def test_a_header_whose_body_the_suffix_holds(doc: str, generated: str, expected: str) -> None:
-    check("python", doc, generated, expected)
-
-
-def test_a_header_with_its_body_up_to_the_suffix_is_kept() -> None:
-    """The model that comes back to the suffix's line wrote what was missing: all of it stays."""
-    doc = "def valid(d):\n█\n            return False\n    return True\n"
-    generated = "    try:\n        m = int(d)\n        if m < 1 or m > 12:\n            return False\n"
-    check("python", doc, generated, "    try:\n        m = int(d)\n        if m < 1 or m > 12:")
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,51 +270,12 @@ NODE_END += [
 ]
 
 
-def test_a_right_answer_that_parses_is_not_cut() -> None:
-    doc = "def f(xs):\n    return [x for x in xs if █]\n"
-    assert complete(doc, "x > 0 and x % 2 == 0", "python") == "x > 0 and x % 2 == 0"
-
-
-def test_without_a_grammar_the_answer_is_left_to_the_bracket_rules() -> None:
-    """C# has no grammar wheel: no parse check; the closer the suffix has goes (bracket rules)."""
-    doc = (
-        "class A {\n    int F(int[] a) {\n        if (█)\n        {\n"
-        "            return 1;\n        }\n        return 0;\n    }\n}\n"
-    )
-    assert complete(doc, "a.Length > 0)", "csharp") == "a.Length > 0"
-
-
 def test_find_stop_agrees_on_the_new_block_ends() -> None:
     """The streamed stop comes where the final text ends, so generation stops there."""
     lang, doc, generated, expected = TERMINAL[0]
     prefix, suffix = doc.split(CURSOR)
     stop = find_stop(generated, prefix, suffix, lang, "multi")
     assert stop is not None and generated[:stop].rstrip() == expected
-
-
-def test_in_an_empty_block_body_lines_like_later_ones_stay() -> None:
-    """The suffix goes on with the block's closer: a line like one further down (a twin
-    function, the other branch) is the author's habit, not the suffix coming back."""
-    doc = (
-        "class A {\n    void f(int x) {\n        for (int i = 0; i < x; i++) {\n            █\n        }\n    }\n"
-        "    void g(int x) {\n        for (int i = 0; i < x; i++) {\n            int s = i + x;\n"
-        "            System.out.println(s);\n        }\n    }\n}\n"
-    )
-    generated = "int s = i + x;\n            System.out.println(s);\n        }\n"
-    assert complete(doc, generated, "java") == "int s = i + x;\n            System.out.println(s);"
-
-
-# Each rule's table, checked the same way: the text inserted, and it parses in place.
-GOLDEN = [
-    pytest.param(*case, id=f"{rule}-{case[0]}-{i}")
-    for rule, table in (("terminal", TERMINAL), ("suffix-line", SUFFIX_LINES), ("node-end", NODE_END))
-    for i, case in enumerate(table)
-]
-
-
-@pytest.mark.parametrize("lang,doc,generated,expected", GOLDEN)
-def test_golden(lang: str, doc: str, generated: str, expected: str) -> None:
-    check(lang, doc, generated, expected)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,12 +298,73 @@ UNDER_HEADER = [
 ]
 
 
-@pytest.mark.parametrize("doc,generated,expected", UNDER_HEADER)
-def test_a_line_under_a_header_goes_into_its_body(doc: str, generated: str, expected: str) -> None:
-    check("python", doc, generated, expected)
+# --------------------------------------------------------------------------------------------
+# What the rules leave alone.
+
+KEPT = [
+    (  # the block ends below the cursor (its next line is dedented): the `return` is its own ending
+        "python",
+        "def mad(xs):\n    m = sum(xs) / len(xs)\n    █\n\n\nprint(mad([1, 2]))\n",
+        "d = [abs(x - m) for x in xs]\n    return sum(d) / len(xs)\n",
+        "d = [abs(x - m) for x in xs]\n    return sum(d) / len(xs)",
+    ),
+    (  # ... and nothing after it at the block's level
+        "python", "def f(xs):\n    █\n", "return sorted(xs)\n    print(xs)\n", "return sorted(xs)",
+    ),
+    (  # `else:` / `break` repeat legitimately: only distinctive lines of the suffix stop a block
+        "python",
+        "def f(xs):\n    for x in xs:\n        █\n        if x < 0:\n            break\n    return xs\n",
+        "if x == 0:\n            break\n        print(x)\n",
+        "if x == 0:\n            break\n        print(x)",
+    ),
+    (  # the model that comes back to the suffix's line wrote what was missing: all of it stays
+        "python",
+        "def valid(d):\n█\n            return False\n    return True\n",
+        "    try:\n        m = int(d)\n        if m < 1 or m > 12:\n            return False\n",
+        "    try:\n        m = int(d)\n        if m < 1 or m > 12:",
+    ),
+    (  # a `try` keeps its `except` before the code that follows
+        "python",
+        "def load(path):\n    try:\n        █\n    return data\n",
+        "data = open(path).read()\n    except OSError:\n        data = ''\n    return data\n",
+        "data = open(path).read()\n    except OSError:\n        data = ''",
+    ),
+    (  # a right answer that parses is not cut
+        "python", "def f(xs):\n    return [x for x in xs if █]\n", "x > 0 and x % 2 == 0", "x > 0 and x % 2 == 0",
+    ),
+    (  # C# has no grammar wheel: no parse check; the closer the suffix has goes (bracket rules)
+        "csharp",
+        "class A {\n    int F(int[] a) {\n        if (█)\n        {\n"
+        "            return 1;\n        }\n        return 0;\n    }\n}\n",
+        "a.Length > 0)",
+        "a.Length > 0",
+    ),
+    (  # an empty block body: a line like one further down (a twin function) is the author's habit
+        "java",
+        "class A {\n    void f(int x) {\n        for (int i = 0; i < x; i++) {\n            █\n        }\n    }\n"
+        "    void g(int x) {\n        for (int i = 0; i < x; i++) {\n            int s = i + x;\n"
+        "            System.out.println(s);\n        }\n    }\n}\n",
+        "int s = i + x;\n            System.out.println(s);\n        }\n",
+        "int s = i + x;\n            System.out.println(s);",
+    ),
+]
 
 
-def test_try_keeps_its_except_before_the_code_that_follows() -> None:
-    doc = "def load(path):\n    try:\n        █\n    return data\n"
-    generated = "data = open(path).read()\n    except OSError:\n        data = ''\n    return data\n"
-    assert complete(doc, generated, "python") == "data = open(path).read()\n    except OSError:\n        data = ''"
+# Each rule's table, checked the same way: the text inserted, and it parses in place.
+GOLDEN = [
+    pytest.param(*case, id=f"{rule}-{case[0]}-{i}")
+    for rule, table in (
+        ("terminal", TERMINAL),
+        ("suffix-line", SUFFIX_LINES),
+        ("node-end", NODE_END),
+        ("header", [("python", *case) for case in HEADERS]),
+        ("under-header", [("python", *case) for case in UNDER_HEADER]),
+        ("kept", KEPT),
+    )
+    for i, case in enumerate(table)
+]
+
+
+@pytest.mark.parametrize("lang,doc,generated,expected", GOLDEN)
+def test_golden(lang: str, doc: str, generated: str, expected: str) -> None:
+    check(lang, doc, generated, expected)
