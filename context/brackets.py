@@ -196,7 +196,7 @@ def parsing_lines(text: str, prefix: str, suffix: str, site: Surroundings, joine
 _MAX_TOKEN_CUTS = 32
 
 
-def parsing_tokens(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str, truncated: bool = False) -> str:
+def parsing_tokens(text: str, prefix: str, suffix: str, site: Surroundings, joiner: str) -> str:
     """A single-line answer whose insertion leaves more tree-sitter errors than a start of it
     (cut at a token boundary) does: the longest start with the fewest errors. That is where the
     node at the cursor ended and the suffix takes over (``x > 0: self.a()`` before the suffix's

@@ -108,7 +108,8 @@ def completion_mode(
       suffix, and (Python) after a header whose body the suffix holds; an empty block body
       (after ``def f():``, ``{``, ``=>``) takes the whole block. The same rules serve every
       language family: indentation-significant ones (Python) and brace ones (C, C++, Java, C#,
-      JavaScript/TypeScript, Go, Rust), read from ``LanguageInfo``. The cursor at the start of a line that has code
+      JavaScript/TypeScript, Go, Rust), read from ``LanguageInfo``.
+      The cursor at the start of a line that has code
       after it (whole lines being inserted above that code) is ``multi`` too; the completion
       then ends with a line break so the code keeps its own line.
       Unless that code starts with punctuation (``|;``, ``|)``, ``|.method()``, ``|= 1``): then
@@ -170,8 +171,8 @@ def find_stop(
       - where the block goes on below the cursor (the suffix's next line is at the block's
         column), is a ``return`` / ``raise`` / ``throw`` / ``break`` / ``continue`` at the
         block's column (the suffix's code would be unreachable), or a branch (``elif``,
-        ``else if``) when the suffix's next line is a branch already; and any line at the
-        block's column after such a statement of the model's own,
+        ``else if``) when the suffix's next line is a branch already,
+      - is at the block's column after such a statement of the model's own (dead code),
       - repeats a later line of the suffix (indentation included, not a closer or a bare
         keyword): the block ends before the statement at the block's column that holds it
         (the model is writing the code that follows),
