@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from context.postprocess import completion_mode, find_stop, postprocess, syntax_ok
+from context.postprocess import SyntaxCutter, completion_mode, find_stop, postprocess, syntax_ok
 
 CURSOR = "█"
 
@@ -368,3 +368,18 @@ GOLDEN = [
 @pytest.mark.parametrize("lang,doc,generated,expected", GOLDEN)
 def test_golden(lang: str, doc: str, generated: str, expected: str) -> None:
     check(lang, doc, generated, expected)
+
+
+def test_a_stream_stopped_at_the_suffix_line_keeps_the_block_it_came_back_from() -> None:
+    """The streaming cutter stops before the model's copy of the suffix's line, so its final text
+    no longer shows that line: it tells post-processing it stopped there (``stopped``), and the
+    block stays whole. Without that, the same text would end after its first header."""
+    doc = "def tri(n):\n█\n        return [1]\n    return [1, 3]\n"
+    prefix, suffix = doc.split(CURSOR)
+    cutter = SyntaxCutter(prefix, suffix, "python", completion_mode(prefix, suffix, "python"))
+    generated = "    if n == 0:\n        return []\n    elif n == 1:\n        return [1]\n    return [1, 3]\n"
+    assert any(cutter.feed(generated[i : i + 5]) for i in range(0, len(generated), 5))
+    whole = "    if n == 0:\n        return []\n    elif n == 1:"
+    assert cutter.finish(truncated=False) == whole
+    assert postprocess(cutter.raw, prefix, suffix, "python", "multi") == "    if n == 0:"
+    assert postprocess(cutter.raw, prefix, suffix, "python", "multi", stopped=True) == whole
