@@ -51,6 +51,7 @@ HEADER_STATEMENT = re.compile(
     r"(?:const|let|var)\s+[^=]+=\s*require\(|export\s+(?:\*|\{[^}]*\})\s+from\b)"
 )
 _HEADER_SCAN_LINES = 400  # imports live at the top; a later one is not worth scanning for
+_TRIPLE_QUOTE = re.compile(r'"""|\'\'\'')
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,14 +360,26 @@ def header_text(
     return header
 
 
+def _string_after(line: str, quote: str) -> str:
+    """The triple quote still open after ``line`` when ``quote`` was open before it."""
+    for found in _TRIPLE_QUOTE.finditer(line):
+        if not quote:
+            quote = found.group()
+        elif found.group() == quote:
+            quote = ""
+    return quote
+
+
 def _read_header(text: str, starts: Sequence[int], scan: int, max_chars: int) -> str:
     parts: list[str] = []
     used = 0
     prev_end = -1  # the line after the last statement taken
     row = 0
+    quote = ""  # the triple quote of the string the scan is inside: a docstring's "import time ..." is prose
     while row < scan:
         line = text[starts[row] : starts[row + 1]]
-        if not HEADER_STATEMENT.match(line):
+        if quote or not HEADER_STATEMENT.match(line):
+            quote = _string_after(line, quote)
             row += 1
             continue
         first = row

@@ -338,6 +338,16 @@ def test_window_is_anchored_whole_and_has_the_header(language, source, tokens, f
     assert prompt.text.endswith(prompt.window_prefix), "prefix-only: the cursor is at the very end"
 
 
+def test_header_leaves_out_prose_in_a_docstring_that_reads_like_an_import():
+    source = '"""Helpers kept apart. To keep the\nimport time of the package down, they load late.\n"""\nimport os\nfrom io import StringIO\n\n'
+    source += "".join(f"def f{i}(x):\n    return os.path.join(x, '{i}')\n\n\n" for i in range(40)) + "def g(y):\n    return " + CURSOR + "y\n"
+    doc, offset = open_doc("python", source)
+    prompt = prompt_at(doc, offset, PromptBudget(prefix_tokens=120, header_tokens=60))
+    head = prompt.text[: prompt.text.index(prompt.window_prefix)]
+    assert "import os\nfrom io import StringIO\n" in head
+    assert "import time of" not in head
+
+
 def test_python_window_shows_the_enclosing_class_line_and_scope():
     doc, offset = open_doc("python", PYTHON)
     prompt = prompt_at(doc, offset, PromptBudget(prefix_tokens=120, header_tokens=60))
