@@ -167,7 +167,7 @@ def inside_string_or_comment(
 ) -> bool:
     if tree is not None and cursor_byte is not None:
         # The document's own tree is up to date: no parse on the request path.
-        return _string_or_comment_at(tree.root_node, cursor_byte)
+        return string_or_comment_at(tree.root_node, cursor_byte)
     parser = parser_for(lang)
     if parser is None:
         return False
@@ -175,10 +175,10 @@ def inside_string_or_comment(
     prefix, suffix = parse_window(prefix, suffix, _MODE_PARSE_CHARS)
     pos = len(prefix.encode("utf-8"))
     parsed = parser.parse((prefix + suffix).encode("utf-8"))
-    return _string_or_comment_at(parsed.root_node, pos)
+    return string_or_comment_at(parsed.root_node, pos)
 
 
-def _string_or_comment_at(root: Node, pos: int) -> bool:
+def string_or_comment_at(root: Node, pos: int) -> bool:
     """Is byte ``pos`` strictly inside a string or comment node of the tree under ``root``?"""
     node: Node | None = root.descendant_for_byte_range(pos, pos)
     while node is not None:

@@ -383,3 +383,43 @@ def test_a_stream_stopped_at_the_suffix_line_keeps_the_block_it_came_back_from()
     assert cutter.finish(truncated=False) == whole
     assert postprocess(cutter.raw, prefix, suffix, "python", "multi") == "    if n == 0:"
     assert postprocess(cutter.raw, prefix, suffix, "python", "multi", stopped=True) == whole
+
+
+# ------------------------------------------------------------------------------------------------
+# where the parse cannot judge a single-line answer's end
+
+_DOCSTRING_BEING_TYPED = (
+    "class Session:\n    def post(self, url, data=None):\n        r\"\"\"Sends a POST request. Returns ",
+    "\n\n    def put(self, url, data=None):\n        r\"\"\"Sends a PUT request.\n\n        :param url: URL.\n"
+    "        \"\"\"\n        return self.request(\"PUT\", url, data=data)\n",
+)
+_HALF_TYPED_BODY = (
+    "def f(xs):\n    total = (\n    for x in xs:\n        if x > (:\n            total += [x\n    y = ",
+    "\n    return total, y\n",
+)
+
+
+@pytest.mark.parametrize("prefix,suffix", [_DOCSTRING_BEING_TYPED, _HALF_TYPED_BODY], ids=["docstring", "broken body"])
+def test_single_line_answers_are_not_cut_by_a_parse_that_cannot_judge(monkeypatch, prefix, suffix):
+    """Prose in a string, or a window with errors of its own: the answer is kept as the line
+    rules left it, and no cut is tried (each reparse of such a window costs milliseconds)."""
+    from context.brackets import InsertionCheck
+    from context.surroundings import surroundings_of
+
+    check = InsertionCheck.of(prefix, suffix, surroundings_of(prefix, suffix, "python"), "")
+    assert check is not None and not check.judges_ends()
+    tried: list[str] = []
+    counting = InsertionCheck.errors
+    monkeypatch.setattr(InsertionCheck, "errors", lambda self, candidate: tried.append(candidate) or counting(self, candidate))
+    answer = "the response (a :class:`Response`), or None if it failed"
+    assert postprocess(answer, prefix, suffix, "python", "single") == answer
+    assert tried == []
+
+
+def test_the_parse_judges_ends_in_code_it_can_read():
+    from context.brackets import InsertionCheck
+    from context.surroundings import surroundings_of
+
+    prefix, suffix = "def f(xs, r):\n    for x in xs:\n        if ", " self.push(x)\n    return xs\n"
+    check = InsertionCheck.of(prefix, suffix, surroundings_of(prefix, suffix, "python"), "")
+    assert check is not None and check.judges_ends()
