@@ -786,6 +786,76 @@ def test_python_imports_and_definitions_of_rust_and_go():
 
 
 
+DOCUMENTED_PY = '''class Store:
+    """A key-value store.
+
+    Keys are strings.
+    """
+
+    def get(self, key: str) -> bytes:
+        r"""Return the value for key
+        (or raise KeyError)."""
+        return self.data[key]
+
+    def put(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+
+def connect(url: str,
+            timeout: float = 1.0) -> Store:
+    """Open the store at url."""
+    return Store()
+
+
+def plain() -> int:
+    return 1
+'''
+
+DOCUMENTED_TS = '''/**
+ * Formats a date
+ * as ISO text.
+ */
+export function formatDate(d: Date): string {
+  return d.toISOString();
+}
+
+// parse reads a date.
+// It throws on bad input.
+function parse(s: string): Date {
+  return new Date(s);
+}
+
+export class Widget {
+  /** Renders the widget. */
+  render(): string {
+    return "";
+  }
+}
+'''
+
+
+def test_signatures_keep_the_first_line_of_their_docstrings():
+    python = {d.name: d.signature for d in definitions(DOCUMENTED_PY, "python")}
+    assert python["Store"] == (
+        'class Store:\n    """A key-value store."""\n'
+        '    def get(self, key: str) -> bytes:\n        """Return the value for key"""\n'
+        "    def put(self, key: str, value: bytes) -> None: ..."
+    )
+    assert python["connect"] == 'def connect(url: str,\n            timeout: float = 1.0) -> Store:\n    """Open the store at url."""'
+    assert python["plain"] == "def plain() -> int: ..."
+    typescript = {d.name: d.signature for d in definitions(DOCUMENTED_TS, "typescript")}
+    assert typescript["formatDate"] == "/** Formats a date */\nexport function formatDate(d: Date): string { ... }"
+    assert typescript["parse"] == "// parse reads a date.\nfunction parse(s: string): Date { ... }"
+    assert typescript["Widget"] == "export class Widget {\n  /** Renders the widget. */\n  render(): string { ... }\n}"
+    go = definitions("package kv\n\n// Get returns the value.\n// It is safe.\nfunc Get(k string) []byte {\n\treturn nil\n}\n", "go")
+    assert go[0].signature == "// Get returns the value.\nfunc Get(k string) []byte { ... }"
+    rust = definitions("/// Loads a store.\npub fn load() -> Store {\n    Store::new()\n}\n\n// unrelated\n\nfn other() {}\n", "rust")
+    assert [d.signature for d in rust] == ["/// Loads a store.\npub fn load() -> Store { ... }", "fn other() { ... }"]
+    # A comment after code on the line above belongs to that code.
+    trailing = definitions("const a = 1; // one\nfunction f() {\n  return 1;\n}\n", "javascript")
+    assert [d.signature for d in trailing] == ["const a = 1;", "function f() { ... }"]
+
+
 def test_definitions_are_remembered_with_their_document():
     doc = Document("file:///src/store.rs", "rust", RUST.replace(CURSOR, ""))
     first = definitions(doc.text, "rust", doc.uri, doc.memo)
