@@ -246,58 +246,7 @@ def _elide(language_id: str) -> str:
     return language_info(language_id).elided_body
 
 
-_DOC_LINE_LIMIT = 120  # a docstring's first line is cut at this many characters
-_COMMENT_TYPES = frozenset({"comment", "line_comment", "block_comment"})
-_COMMENT_MARK = re.compile(r"^\s*(?:/\*+!?|\*+(?!/)|//[/!]?)\s?|\s*\*+/\s*$")
-
-
 def _signature(wrapper: Node, data: bytes, language_id: str, depth: int = 0) -> str:
-    """``wrapper`` without bodies, with the first line of its docstring (a class: its header and
-    its public members' signatures); what tells a reader how to call a definition."""
-    outline = _outline(wrapper, data, language_id, depth)
-    doc = "" if language_id == "python" else _comment_doc_line(wrapper, data)
-    if not doc:
-        return outline
-    return outline[: len(outline) - len(outline.lstrip(" \t"))] + doc + "\n" + outline
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip()[:_DOC_LINE_LIMIT] for line in text.split("\n") if line.strip()), "")
-
-
-def _python_doc_line(body: Node, data: bytes) -> str:
-    """The first line of a Python body's docstring, as a one-line docstring at its column ("": none)."""
-    first = body.named_children[0] if body.named_children else None
-    if first is None or first.type != "expression_statement" or not first.named_children:
-        return ""
-    string = first.named_children[0]
-    if string.type != "string":
-        return ""
-    content = "".join(_node_text(data, c.start_byte, c.end_byte) for c in string.named_children if c.type == "string_content")
-    line = _first_line(content).replace('"""', "").rstrip("\\")
-    return " " * string.start_point[1] + f'"""{line}"""' if line else ""
-
-
-def _comment_doc_line(wrapper: Node, data: bytes) -> str:
-    """The first line of the comments just above ``wrapper`` (JSDoc, ``///``, Go's ``//``) as one
-    comment ("": none)."""
-    comment, row = None, wrapper.start_point[0]
-    sibling = wrapper.prev_named_sibling
-    while sibling is not None and sibling.type in _COMMENT_TYPES and sibling.end_point[0] >= row - 1:
-        if data[_line_start_byte(data, sibling.start_byte) : sibling.start_byte].strip():
-            break  # the comment of the code before it on its line
-        comment, row = sibling, sibling.start_point[0]
-        sibling = sibling.prev_named_sibling
-    if comment is None:
-        return ""
-    text = _node_text(data, comment.start_byte, comment.end_byte)
-    line = _first_line("\n".join(_COMMENT_MARK.sub("", raw) for raw in text.split("\n")))
-    if not line:
-        return ""
-    return f"/** {line} */" if text.startswith("/*") else f"{text[: len(text) - len(text.lstrip('/!'))]} {line}"
-
-
-def _outline(wrapper: Node, data: bytes, language_id: str, depth: int) -> str:
     node = _unwrap(wrapper)
     start, pad = wrapper.start_byte, ""
     if depth:
@@ -307,7 +256,6 @@ def _outline(wrapper: Node, data: bytes, language_id: str, depth: int) -> str:
         else:
             start = line_start
     body = _body_of(node)
-    doc = _python_doc_line(body, data) if language_id == "python" and body is not None and not pad else ""
     if node.type in _CLASSLIKE and body is not None:
         head = _node_text(data, start, _header_end(body)).rstrip()
         members = []
@@ -322,7 +270,7 @@ def _outline(wrapper: Node, data: bytes, language_id: str, depth: int) -> str:
                 continue
             members.append(_signature(member, data, language_id, depth + 1))
         if language_id == "python":
-            return "\n".join([pad + head + (" ..." if not members and not doc else ""), *filter(None, [doc]), *members])
+            return "\n".join([pad + head + (" ..." if not members else ""), *members])
         indent = pad or _node_text(data, start, wrapper.start_byte)
         return "\n".join([pad + head + " {", *members, indent + "}"])
     if body is None or node.type in ("struct_item", "enum_item", "interface_declaration", "type_alias_declaration"):
@@ -331,7 +279,7 @@ def _outline(wrapper: Node, data: bytes, language_id: str, depth: int) -> str:
             return pad + text
         first = text.split("\n", 1)[0]
         return pad + (first if body is None else _node_text(data, start, _header_end(body)).rstrip() + _elide(language_id))
-    return pad + _node_text(data, start, _header_end(body)).rstrip() + ("\n" + doc if doc else _elide(language_id))
+    return pad + _node_text(data, start, _header_end(body)).rstrip() + _elide(language_id)
 
 
 def definitions(
