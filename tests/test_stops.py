@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from context.brackets import InsertionCheck
 from context.postprocess import SyntaxCutter, completion_mode, find_stop, postprocess, syntax_ok
+from context.surroundings import surroundings_of
 
 CURSOR = "█"
 
@@ -403,9 +405,6 @@ _HALF_TYPED_BODY = (
 def test_single_line_answers_are_not_cut_by_a_parse_that_cannot_judge(monkeypatch, prefix, suffix):
     """Prose in a string, or a window with errors of its own: the answer is kept as the line
     rules left it, and no cut is tried (each reparse of such a window costs milliseconds)."""
-    from context.brackets import InsertionCheck
-    from context.surroundings import surroundings_of
-
     check = InsertionCheck.of(prefix, suffix, surroundings_of(prefix, suffix, "python"), "")
     assert check is not None and not check.judges_ends()
     tried: list[str] = []
@@ -417,9 +416,6 @@ def test_single_line_answers_are_not_cut_by_a_parse_that_cannot_judge(monkeypatc
 
 
 def test_the_parse_judges_ends_in_code_it_can_read():
-    from context.brackets import InsertionCheck
-    from context.surroundings import surroundings_of
-
     prefix, suffix = "def f(xs, r):\n    for x in xs:\n        if ", " self.push(x)\n    return xs\n"
     check = InsertionCheck.of(prefix, suffix, surroundings_of(prefix, suffix, "python"), "")
     assert check is not None and check.judges_ends()
