@@ -3,7 +3,7 @@
     .venv/bin/python bench/crossfile.py --model qwen-coder --base ../wt-base
     .venv/bin/python bench/crossfile.py --model smollm2 --limit 1 --configs current@base,tab@base,current,tab --base ../wt-base
 
-Cases: ``/work/shared/eval/crossfile_dev.jsonl`` (152 lines cut from five pinned packages: a line
+Cases: ``../shared/eval/crossfile_dev.jsonl`` (beside the checkout, or ``$EMBER_EVAL_DIR``) (152 lines cut from five pinned packages: a line
 inside a function that calls or reads a name imported from a sibling module, the cursor just
 before that name). The packages are unpacked under ``--repos`` as ``name-version/`` (the layout of
 ``../shared/eval/fetch-crossfile-repos.sh``). The file on disk holds the author's text; the editor's
@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench` importable
 
 from bench.quality import (  # noqa: E402
     CACHE,
+    EVAL,
     RESULTS,
     SEED,
     Case,
@@ -67,7 +68,7 @@ from bench.quality import (  # noqa: E402
     resolve,
 )
 
-CASES = Path("/work/shared/eval/crossfile_dev.jsonl")
+CASES = EVAL / "crossfile_dev.jsonl"
 DEFAULT_CONFIGS = "current@base,tab@base,current,tab,workspace"
 MODES = {"current": "open", "tab": "open", "workspace": "workspace"}
 SCAN_WAIT_S = 60.0

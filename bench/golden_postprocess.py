@@ -1,4 +1,4 @@
-"""Post-processing unchanged? Compares context.postprocess with its single-file version at a git
+"""Post-processing unchanged? Compares context.cut.postprocess with its single-file version at a git
 revision (4e3c2fc, before issue 13 split it), on every case of the dev sets.
 
     .venv/bin/python bench/golden_postprocess.py [--rev 4e3c2fc]
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import subprocess
 import sys
@@ -26,15 +27,19 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import context.postprocess as new  # noqa: E402
-from context.fim import strip_control_tokens  # noqa: E402
+import context.cut.postprocess as new  # noqa: E402
+from context.cut.control_tokens import strip_control_tokens  # noqa: E402
 
-EVAL = ROOT.parent / "shared" / "eval"
+EVAL = Path(os.environ.get("EMBER_EVAL_DIR") or ROOT.parent / "shared" / "eval")
 ENDINGS = ["", "<|endoftext|>", "<|file_sep|>x", "\n\n```\nThis function returns it.\n", "\n\n\n"]
 
 
 def old_module(rev: str):  # noqa: ANN201 - a module object loaded from a file
-    source = subprocess.run(["git", "show", f"{rev}:context/postprocess.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    # context/cut/postprocess.py since context's rooms (issue 28), context/postprocess.py before.
+    shown = [subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+             for path in ("context/cut/postprocess.py", "context/postprocess.py")]
+    source = next((run for run in shown if run.returncode == 0), shown[-1])
+    source.check_returncode()
     path = Path(tempfile.mkdtemp()) / "old_postprocess.py"
     path.write_text(source.stdout)
     spec = importlib.util.spec_from_file_location("old_postprocess", path)

@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench` and `context` imp
 
 from bench.crossfile import WorkspaceServer, git_head, knows_modes, server_options  # noqa: E402
 from bench.quality import CACHE, RESULTS, SEED, lsp_position, percentile, resolve  # noqa: E402
-from context.languages import parser_for  # noqa: E402
+from context.source.languages import parser_for  # noqa: E402
 
 TREES = CACHE / "index-trees"
 ARCHIVES = CACHE / "repos"

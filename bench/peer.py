@@ -105,8 +105,8 @@ if str(ROOT) not in sys.path:
 
 from bench.prompt_stability import read_sources  # noqa: E402
 from bench.replay import SOURCES, Body, Editor, fmt, pct, pick_bodies, type_body, utf16_position, wait_ready  # noqa: E402
-from context.document import Document  # noqa: E402
-from context.fim import FimTemplate, choose_template  # noqa: E402
+from context.prompt.fim import FimTemplate, choose_template  # noqa: E402
+from context.source.document import Document  # noqa: E402
 from engine.base import ModelInfo  # noqa: E402
 from lsp.completer import Completer  # noqa: E402
 from lsp.config import Settings  # noqa: E402

@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make `context` and `engine` importable
     sys.path.insert(0, str(ROOT))
 
-from context.document import Document  # noqa: E402
-from context.fim import PREFIX_ONLY, TEMPLATES, FimTemplate  # noqa: E402
-from context.languages import normalize_language_id  # noqa: E402
-from context.prompt import PromptBudget, build_naive_prompt, build_prompt  # noqa: E402
+from context.prompt.builder import PromptBudget, build_naive_prompt, build_prompt  # noqa: E402
+from context.prompt.fim import PREFIX_ONLY, TEMPLATES, FimTemplate  # noqa: E402
+from context.source.document import Document  # noqa: E402
+from context.source.languages import normalize_language_id  # noqa: E402
 
 CACHE = ROOT / "bench" / ".cache" / "repos"
 RESULTS = ROOT / "bench" / "results" / "prompt_stability.json"

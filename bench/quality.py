@@ -5,14 +5,14 @@
     .venv/bin/python bench/quality.py --no-dev --repo-cuts --limit 60
 
 Each case (a jsonl line with id/source/language/prefix/suffix/middle, like
-/work/shared/eval/*.jsonl) is opened as a document holding ``prefix + suffix`` with the right
+../shared/eval/*.jsonl beside the checkout, or $EMBER_EVAL_DIR) is opened as a document holding ``prefix + suffix`` with the right
 languageId and extension, completed with ``textDocument/inlineCompletion`` at the cursor, then
 closed. The completion is compared with ``middle``:
 
 * ``exact_line``: the first non-blank lines are equal (trailing whitespace ignored);
 * ``exact``: the whole texts are equal (line endings and trailing whitespace ignored);
 * ``edit_sim``: 1 - Levenshtein / max length over the whole (normalized) texts;
-* ``syntax_ok``: :func:`context.postprocess.syntax_ok` (no new tree-sitter ERROR/MISSING node);
+* ``syntax_ok``: :func:`context.cut.postprocess.syntax_ok` (no new tree-sitter ERROR/MISSING node);
   ``-`` for languages without a grammar (C# here), where it would say True for anything;
 * latency: the server's ``latency_ms`` for the request (``ember/stats`` ``last_for_uri``), p50/p95.
 
@@ -64,11 +64,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make `context` and `bench` importable
     sys.path.insert(0, str(ROOT))
 
-from context.languages import grammar_for, normalize_language_id, parser_for  # noqa: E402
-from context.postprocess import syntax_ok  # noqa: E402
+from context.cut.postprocess import syntax_ok  # noqa: E402
+from context.source.languages import grammar_for, normalize_language_id, parser_for  # noqa: E402
 from lsp.config import parse_engine_arg  # noqa: E402
 
-EVAL = Path("/work/shared/eval")
+# The public eval sets: ../shared/eval beside the checkout, or $EMBER_EVAL_DIR.
+EVAL = Path(os.environ.get("EMBER_EVAL_DIR") or ROOT.parent / "shared" / "eval")
 DEV_FILES = [EVAL / "humaneval_infilling_dev.jsonl", EVAL / "safim_dev.jsonl"]
 CACHE = ROOT / "bench" / ".cache"
 RESULTS = ROOT / "bench" / "results"

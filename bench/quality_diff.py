@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "eval"
+EVAL = Path(os.environ.get("EMBER_EVAL_DIR") or Path(__file__).resolve().parents[2] / "shared" / "eval")
 Key = tuple[str, str]
 
 

@@ -69,7 +69,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.prompt_stability import read_sources  # noqa: E402  (fetches pinned releases into bench/.cache)
-from context.document import Document  # noqa: E402
+from context.source.document import Document  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 # Files interleaved across releases, so `--files N` mixes code bases.

@@ -62,7 +62,7 @@ def dev_cases(limit: int | None) -> list[dict[str, Any]]:
 
 def case_uri(case: dict[str, Any], index: int) -> str:
     from bench.quality import EXTENSIONS
-    from context.languages import normalize_language_id
+    from context.source.languages import normalize_language_id
 
     return f"file:///stops/case{index}{EXTENSIONS.get(normalize_language_id(case['language']), '.txt')}"
 
@@ -80,10 +80,10 @@ def generated_keys(raw_path: Path) -> set[str]:
 async def generate(cases: list[dict[str, Any]], model_path: str, max_tokens: int, concurrency: int, raw_path: Path) -> None:
     """Streams every case's prompts through the embedded engine; one jsonl line per case."""
     sys.path.insert(0, str(ROOT))
-    from context.baselines import strategy
-    from context.document import Document
-    from context.fim import choose_template
-    from context.site import site_at
+    from context.prompt.fim import choose_template
+    from context.prompt.site import site_at
+    from context.prompt.strategy import strategy
+    from context.source.document import Document
     from engine.base import GenerationParams
     from engine.embedded import EmbeddedConfig, EmbeddedEngine
     from lsp.completer import prompt_budget
@@ -142,10 +142,10 @@ async def generate(cases: list[dict[str, Any]], model_path: str, max_tokens: int
 def cut(cases: list[dict[str, Any]], raw: dict[str, dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     """Every case's completion by the ``context`` on ``sys.path``: ``kind`` "syntax" (ember's
     cutter on the ast prompt's stream) or "plain" (the baseline's, on the plain prompt's)."""
-    from context.baselines import PlainCutter
-    from context.document import Document
-    from context.postprocess import SyntaxCutter
-    from context.site import site_at
+    from context.cut.postprocess import SyntaxCutter
+    from context.prompt.site import site_at
+    from context.prompt.strategy import PlainCutter
+    from context.source.document import Document
 
     results = {}
     for index, case in enumerate(cases):
@@ -199,7 +199,7 @@ Cuts = dict[str, dict[str, dict[str, Any]]]  # strategy -> case key -> completio
 
 def score_all(cases: list[dict[str, Any]], cuts: Cuts) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from bench.quality import edit_similarity, first_line, has_grammar, normalize
-    from context.postprocess import syntax_ok
+    from context.cut.postprocess import syntax_ok
 
     records = []
     for case in cases:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,14 +33,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from context.document import Document  # noqa: E402
-from context.fim import TEMPLATES  # noqa: E402
-from context.languages import normalize_language_id  # noqa: E402
-from context.prompt import PromptBudget, PromptRequest, anchored_prompt, build_prompt, select_snippets  # noqa: E402
-from context.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context  # noqa: E402
-from context.workspace import WorkspaceIndex  # noqa: E402
+from context.prompt.builder import PromptBudget, PromptRequest, anchored_prompt, build_prompt  # noqa: E402
+from context.prompt.fim import TEMPLATES  # noqa: E402
+from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context  # noqa: E402
+from context.prompt.snippets import select_snippets  # noqa: E402
+from context.source.document import Document  # noqa: E402
+from context.source.languages import normalize_language_id  # noqa: E402
+from context.source.workspace import WorkspaceIndex  # noqa: E402
 
-EVAL = ROOT.parent / "shared" / "eval"
+EVAL = Path(os.environ.get("EMBER_EVAL_DIR") or ROOT.parent / "shared" / "eval")
 SETS = ("humaneval_infilling_dev.jsonl", "safim_dev.jsonl")
 EXTENSIONS = {"python": ".py", "cpp": ".cpp", "java": ".java", "csharp": ".cs", "c_sharp": ".cs"}
 BUDGET = PromptBudget.for_model(2048, 48)
@@ -50,10 +52,15 @@ WORKSPACE_BUDGET = PromptBudget.for_model(2048, 48, snippet_tokens=2048 // 4)
 BASE_SCRIPT = """
 import hashlib, json, sys
 sys.path.insert(0, ".")
-from context.document import Document
-from context.fim import TEMPLATES
-from context.prompt import PromptBudget, build_prompt
-from context.prompt import select_snippets
+try:  # context's rooms (issue 28), else the flat layout before them
+    from context.source.document import Document
+    from context.prompt.fim import TEMPLATES
+    from context.prompt.builder import PromptBudget, build_prompt
+    from context.prompt.snippets import select_snippets
+except ImportError:
+    from context.document import Document
+    from context.fim import TEMPLATES
+    from context.prompt import PromptBudget, build_prompt, select_snippets
 cases = json.load(sys.stdin)
 budget = PromptBudget.for_model(2048, 48)
 out = []

@@ -8,11 +8,10 @@ import ipaddress
 import json
 import logging
 import os
-import signal
 import ssl
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any
 
 from lsp import VERSION
 from lsp.config import (
@@ -23,9 +22,6 @@ from lsp.config import (
     parse_engine_arg,
     vllm_flags,
 )
-
-if TYPE_CHECKING:
-    from lsp.engine_host import EmberCore
 
 # The server (pygls, lsprotocol, tree-sitter, and through the engine vLLM) is imported only by the
 # commands that serve: `ember --stdio` with the daemon is a forwarder that must start at once.
@@ -202,106 +198,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
-    """A minimal HTTP endpoint for Prometheus; loopback only, it reveals no source text."""
-    from lsp.metrics import prometheus_text
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), 5)
-            ok = request.split(b" ")[1:2] == [b"/metrics"]
-            body = prometheus_text(core.metrics).encode() if ok else b"not found\n"
-            status = b"200 OK" if ok else b"404 Not Found"
-            writer.write(
-                b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    return await asyncio.start_server(answer, "127.0.0.1", port)
-
-
-def stop_on_sigterm(core: EmberCore) -> None:
-    from lsp.engine_host import close_and_exit
-
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(close_and_exit(core, 0)))
-
-
-async def serve_stdio(core: EmberCore, metrics_port: int | None = None) -> None:
-    from lsp.engine_host import close_and_exit
-    from lsp.protocol import serve_stdio_messages
-    from lsp.server import build_server
-
-    if metrics_port is not None:
-        await serve_metrics(core, metrics_port)
-    server = build_server(core)
-    stdout = lsp_stdout()
-    stop_on_sigterm(core)
-    try:
-        await serve_stdio_messages(server, stdout, log)
-    finally:
-        # stdin closed (the editor quit or crashed) or exit: never outlive the editor.
-        await close_and_exit(core, 0)
-
-
-def lsp_stdout() -> BinaryIO:
-    """The LSP stream gets its own copy of fd 1, and fd 1 itself becomes stderr: a library (or
-    a child process) that prints to stdout cannot corrupt the protocol."""
-    stream = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    sys.stdout = sys.stderr
-    return stream
-
-
-async def serve_connection(
-    core: EmberCore, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, token: str | None, peer: Any
-) -> None:
-    """One editor over a stream (TCP, or the daemon's Unix socket): its own server (documents,
-    settings) on the shared ``core``."""
-    from lsp.protocol import serve_stream_messages
-    from lsp.server import build_server
-
-    log.info("editor connected from %s", peer)
-    server = build_server(core, token=token, exit_process=False)
-    try:
-        await serve_stream_messages(server, reader, writer, log)
-    except (ConnectionError, asyncio.IncompleteReadError) as exc:
-        log.info("editor %s went away: %s", peer, exc)
-    finally:
-        server.on_exit()
-        writer.close()
-        log.info("editor %s disconnected", peer)
-
-
-async def serve_tcp(
-    core: EmberCore, host: str, port: int, token: str | None, tls: ssl.SSLContext | None, metrics_port: int | None = None
-) -> None:
-    """Each connection gets its own server (documents, settings); all share ``core``."""
-
-    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await serve_connection(core, reader, writer, token=token, peer=writer.get_extra_info("peername"))
-
-    stop_on_sigterm(core)
-    if metrics_port is not None:
-        await serve_metrics(core, metrics_port)
-    core.start_engine()
-    listener = await asyncio.start_server(connection, host, port, ssl=tls)
-    addresses = ", ".join(str(sock.getsockname()) for sock in listener.sockets)
-    # Tests and scripts read this line to learn the port when PORT is 0.
-    print(f"ember listening on {addresses}", file=sys.stderr, flush=True)
-    try:
-        async with listener:
-            await listener.serve_forever()
-    finally:
-        await core.close()
-
-
 def daemon_main(argv: list[str]) -> int:
     """``ember daemon status|stop`` for people; ``ember daemon serve`` is what the forwarder starts."""
     from lsp import daemon
@@ -339,6 +235,7 @@ def daemon_main(argv: list[str]) -> int:
         print(f"ember daemon: --key {args.key} does not name these engine settings", file=sys.stderr)
         return 2
     from lsp.engine_host import EmberCore
+    from lsp.transports import serve_metrics, stop_on_sigterm
 
     # Eager on a CPU, though the daemon lives long: the window that starts it waits for the engine
     # (compiled mode: 159 vs 36 s here), and the decode gain did not show in this machine's runs
@@ -415,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         return forward_stdio(args, argv, cli_options(args), settings)
 
     from lsp.engine_host import EmberCore
+    from lsp.transports import serve_stdio, serve_tcp
 
     # A TCP server outlives many editor sessions: worth a slower engine start for faster decoding.
     core = EmberCore(settings, long_lived=tcp is not None)

@@ -1,7 +1,7 @@
 """One completion, from a document and cursor to the text to insert.
 
-The straight path: context.site.site_at (the cursor's site, once) -> the settings' strategy
-(context.baselines) builds the prompt -> (caches) -> engine.stream -> the strategy's cutter stops the
+The straight path: context.prompt.site.site_at (the cursor's site, once) -> the settings' strategy
+(context.prompt.strategy) builds the prompt -> (caches) -> engine.stream -> the strategy's cutter stops the
 stream and gives the text. Shared by every editor session of the process. Per document it remembers
 the last suggestion (typed-through reuse) and the generation in flight (a newer request either
 attaches to it or supersedes it).
@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 from cachetools import LRUCache
 
-from context.baselines import Cutter, Strategy, strategy
-from context.document import Document
-from context.fim import FimTemplate, choose_template
-from context.prompt import NO_CROSS_FILE, TEMPLATE_RESERVE_TOKENS, CrossFile, Prompt, PromptBudget
-from context.site import CompletionSite, site_at
+from context.prompt.builder import TEMPLATE_RESERVE_TOKENS, Prompt, PromptBudget
+from context.prompt.fim import FimTemplate, choose_template
+from context.prompt.site import CompletionSite, site_at
+from context.prompt.snippets import NO_CROSS_FILE, CrossFile
+from context.prompt.strategy import Cutter, Strategy, strategy
+from context.source.document import Document
 from engine.base import Engine, EngineError, EngineNotReady, GenerationParams
 from lsp.config import Settings
 from lsp.metrics import Metrics, RequestMetrics

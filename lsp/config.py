@@ -39,7 +39,7 @@ class Settings:
     max_tokens: int = 64
     temperature: float = 0.0
     debounce_ms: int = 0
-    # Prompt budgets; None: a share of the engine's max_model_len (context.prompt.PromptBudget.for_model:
+    # Prompt budgets; None: a share of the engine's max_model_len (context.prompt.builder.PromptBudget.for_model:
     # 1024 and 256 at 2048 tokens; crossFileTokens: the context from other files, 256).
     context_tokens: int | None = None
     suffix_tokens: int | None = None

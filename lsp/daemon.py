@@ -41,7 +41,7 @@ from lsp import VERSION
 from lsp.config import Settings
 
 if TYPE_CHECKING:
-    from lsp.server import EmberCore
+    from lsp.engine_host import EmberCore
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ class Daemon:
         return None
 
     async def _serve_editor(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from lsp.cli import serve_connection
+        from lsp.transports import serve_connection
 
         self.clients += 1
         self.connections += 1
@@ -410,7 +410,7 @@ class Daemon:
 
 
 async def serve_daemon(core: EmberCore, address: DaemonAddress, idle_s: float) -> None:
-    from lsp.server import close_and_exit
+    from lsp.engine_host import close_and_exit
 
     daemon = Daemon(core, address, idle_s)
     core.host_info = daemon.info

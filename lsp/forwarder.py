@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from context.document import Document, utf16_position
+from context.source.document import Document, utf16_position
 from lsp import daemon
 from lsp.config import ConfigError, Settings, merge_settings
 from lsp.framing import ResyncReader, frame, read_message

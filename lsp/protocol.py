@@ -32,21 +32,29 @@ import logging
 import sys
 import threading
 from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pygls.io_ import StdinAsyncReader, StdoutWriter, run_async
+from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 from pygls.server import JsonRPCServer
 
 from lsp.framing import AsyncReader, ResyncReader
 
-if TYPE_CHECKING:
-    from lsp.session import EmberServer
-
 log = logging.getLogger(__name__)
+
+
+class Session(Protocol):
+    """What the protocol reads of the editor session it serves (:class:`lsp.session.EmberServer`)."""
+
+    authorized: bool  # False until a TCP client that needs a token has sent it
+
+    def on_exit(self) -> None: ...
+
+    def end(self, *, clean: bool) -> None: ...
 
 
 class UnknownDocument(JsonRpcException):
@@ -76,7 +84,7 @@ class EmberProtocol(LanguageServerProtocol):
     _initialize_seen = False
 
     @property
-    def session(self) -> EmberServer:
+    def session(self) -> Session:
         """The editor session this protocol reads for."""
         return self._server  # type: ignore[return-value]
 
@@ -158,7 +166,7 @@ class EmberProtocol(LanguageServerProtocol):
             return
         super().handle_message(message)
 
-    # ember keeps its own documents (context.document.Document). pygls' built-in handlers would also
+    # ember keeps its own documents (context.source.document.Document). pygls' built-in handlers would also
     # keep a second copy in its workspace, re-split into lines on every change, and raise (so that
     # ember's handler never runs) on a didChange for an unknown URI: go straight to ember's handlers.
 
@@ -209,7 +217,7 @@ def stop_reading(server: JsonRPCServer) -> None:
         server._stop_event.set()
 
 
-async def serve_messages(server: EmberServer, reader: AsyncReader, logger: logging.Logger) -> None:
+async def serve_messages(server: LanguageServer, reader: AsyncReader, logger: logging.Logger) -> None:
     """Reads and handles messages until the stream ends or :func:`stop_reading`; a wrong
     Content-Length costs one message. ``logger`` gets the errors of messages that fail."""
     server._stop_event = threading.Event()
@@ -222,7 +230,7 @@ async def serve_messages(server: EmberServer, reader: AsyncReader, logger: loggi
     )
 
 
-async def serve_stdio_messages(server: EmberServer, stdout: BinaryIO, logger: logging.Logger) -> None:
+async def serve_stdio_messages(server: LanguageServer, stdout: BinaryIO, logger: logging.Logger) -> None:
     """:func:`serve_messages` from this process' stdin (read in the server's thread pool),
     answering on ``stdout``."""
     server.protocol.set_writer(StdoutWriter(stdout))
@@ -230,7 +238,7 @@ async def serve_stdio_messages(server: EmberServer, stdout: BinaryIO, logger: lo
 
 
 async def serve_stream_messages(
-    server: EmberServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, logger: logging.Logger
+    server: LanguageServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, logger: logging.Logger
 ) -> None:
     """:func:`serve_messages` over a socket's streams (TCP, the daemon's Unix socket)."""
     server.protocol.set_writer(writer)

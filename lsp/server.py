@@ -12,64 +12,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
-import re
-import tracemalloc
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
 
-from context.document import Document
-from lsp.completer import prompt_budget
-from lsp.config import ConfigError, Settings, merge_settings
-from lsp.engine_host import (
-    EmberCore,
-    close_and_exit,
-    default_engine_factory,
-    kill_children,
-    model_label,
-    remote_engine_args_note,
-)
-from lsp.protocol import EmberProtocol, UnknownDocument
-from lsp.session import (
-    SNIPPET_SOURCE_CHARS,
-    EmberServer,
-    RateLimit,
-    import_lines,
-)
+from context.source.document import Document
+from lsp.completion_items import completion_item, word_before
+from lsp.config import ConfigError, merge_settings
+from lsp.engine_host import EmberCore
+from lsp.progress import report_loading
+from lsp.session import EmberServer
+from lsp.stats import STATS_METHOD, stats_summary
 from lsp.workspaces import folder_paths, uri_path
-
-# Names other modules, tests and benchmarks import from here (their homes are the modules above).
-__all__ = [
-    "SNIPPET_SOURCE_CHARS",
-    "STATS_METHOD",
-    "EmberCore",
-    "EmberProtocol",
-    "EmberServer",
-    "RateLimit",
-    "UnknownDocument",
-    "build_server",
-    "close_and_exit",
-    "completion_item",
-    "default_engine_factory",
-    "import_lines",
-    "kill_children",
-    "model_label",
-    "remote_engine_args_note",
-    "word_before",
-]
 
 log = logging.getLogger(__name__)
 
-STATS_METHOD = "ember/stats"
 # Settings that only take effect when the engine starts (setting name -> Settings field).
 STARTUP_SETTINGS = {"model": "model", "engineUrl": "engine_url", "engineArgs": "engine_args"}
 WARMUP_PAUSE_S = 0.4
-PROGRESS_REPORT_S = 0.25  # how often model download/loading progress is sent to the editor
 
 
 def initialize(ls: EmberServer, params: types.InitializeParams) -> None:
@@ -234,17 +197,8 @@ def stats(ls: EmberServer, params: Any) -> dict[str, Any]:
     """Aggregated metrics (p50/p95), the last request's metrics, and the engine's state; with
     ``{"uri": U}`` also ``last_for_uri``, the latest request for that document (clients with
     several requests in flight cannot rely on ``last``)."""
-    core = ls.core
-    summary = core.metrics.summary()
     uri = params.get("uri") if isinstance(params, dict) else getattr(params, "uri", None)
-    if isinstance(uri, str):
-        found = core.metrics.last_for(uri)
-        summary["last_for_uri"] = found.as_dict() if found else None
-    summary["engine"] = engine_state(ls)
-    summary["process"] = {"pid": os.getpid(), **process_memory(core)}
-    summary["daemon"] = core.host_info() if core.host_info is not None else None
-    summary["workspace"] = ls.folders.stats()
-    return summary
+    return stats_summary(ls, uri if isinstance(uri, str) else None)
 
 
 # (method, handler, options): what build_server registers on every session, in this order.
@@ -278,157 +232,3 @@ def build_server(core: EmberCore, *, token: str | None = None, exit_process: boo
     return server
 
 
-def engine_state(ls: EmberServer) -> dict[str, Any]:
-    """The engine part of ember/stats (a dead engine is restarted, as on every request)."""
-    core = ls.core
-    ready = core.check_engine()
-    engine = core.engine if ready else None
-    state: dict[str, Any] = {
-        "ready": ready,
-        "error": core.engine_error,
-        "warning": core.engine_warning,
-        "model": engine.model.name if engine is not None else None,
-        "restarts": core.restarts,
-        "restarting": core.restarting,
-        "starts": core.engine_starts,
-        # What the prompt budgets of this editor's requests are shares of.
-        "max_model_len": engine.model.max_model_len if engine is not None else None,
-        "budget": budget_stats(ls.settings, engine.model.max_model_len) if engine is not None else None,
-        "long_lived": core.long_lived,
-    }
-    engine_args = getattr(engine, "engine_args", None)
-    if isinstance(engine_args, dict):
-        state["engine_args"] = engine_args
-    engine_stats = getattr(core.engine, "engine_stats", None)
-    if callable(engine_stats):
-        state["stats"] = engine_stats()
-    return state
-
-
-_WORD_TAIL = re.compile(r"[A-Za-z0-9_$]+$")
-
-
-def word_before(ls: EmberServer, uri: str, position: types.Position) -> str:
-    """The identifier the user is typing at the cursor (ASCII, so its length is the same in every
-    position encoding)."""
-    doc = ls.documents.get(uri)
-    if doc is None or not 0 <= position.line < doc.line_count:
-        return ""
-    line, character = ls.to_utf16(doc, position.line, position.character)
-    start = doc.offset_at(line, 0)
-    match = _WORD_TAIL.search(doc.text[start : doc.offset_at(line, character, clamp=True)])
-    return match.group(0) if match else ""
-
-
-def completion_item(text: str, position: types.Position, word: str = "") -> types.CompletionItem:
-    """Replaces the word being typed with itself plus the generated text: clients filter items by
-    the word at the cursor, and would drop an item that does not start with it."""
-    first_line = text.split("\n", 1)[0].strip() or text.strip()
-    start = types.Position(line=position.line, character=position.character - len(word))
-    return types.CompletionItem(
-        label=(word + first_line)[:80],
-        kind=types.CompletionItemKind.Text,
-        detail="ember",
-        insert_text=word + text,
-        insert_text_format=types.InsertTextFormat.PlainText,
-        text_edit=types.TextEdit(range=types.Range(start=start, end=position), new_text=word + text),
-        sort_text="0",
-        filter_text=word + (first_line or text),
-    )
-
-
-def budget_stats(settings: Settings, max_model_len: int) -> dict[str, int]:
-    budget = prompt_budget(settings, max_model_len)
-    return {
-        "context_tokens": budget.prefix_tokens,
-        "suffix_tokens": budget.suffix_tokens,
-        "header_tokens": budget.header_tokens,
-        "cross_file_tokens": budget.snippet_tokens,
-    }
-
-
-def process_memory(core: EmberCore) -> dict[str, Any]:
-    """Resident memory of this process; with ``EMBER_DEBUG_MEMORY=1`` (tracemalloc started at
-    launch, slow) also the source lines whose allocations grew most since the first call."""
-    memory: dict[str, Any] = {"rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
-    if tracemalloc.is_tracing():
-        snapshot = tracemalloc.take_snapshot()
-        if core.memory_baseline is None or not core.ready:
-            core.memory_baseline = snapshot  # growth is counted from the first call once the engine is up
-        top = snapshot.compare_to(core.memory_baseline, "lineno")[:15]
-        memory["growth"] = [f"{stat.size_diff / 1024:+.0f} KiB {stat.count_diff:+d} {stat.traceback}" for stat in top]
-    return memory
-
-
-async def report_loading(ls: EmberServer) -> None:
-    """Work-done progress while the model downloads and loads (when the client supports it); then,
-    once per editor, why the engine is not available, or what did not go as asked: a fallback
-    model stands in for the code model, engine arguments that vLLM refused."""
-    core = ls.core
-    if not core.check_engine():
-        await show_loading_progress(ls)
-    if not core.check_engine():
-        if core.engine_error:
-            ls.notify_user(f"the engine is not available: {core.engine_error}")
-        return
-    reason = core.load_progress.current().fallback_reason
-    if reason:
-        ls.notify_user(reason, types.MessageType.Warning)
-    if core.engine_warning:
-        ls.notify_user(core.engine_warning, types.MessageType.Warning)
-
-
-async def show_loading_progress(ls: EmberServer) -> None:
-    """One indeterminate progress for getting the model ready (its message names the stage), and
-    while the model downloads a second one with bytes and a percentage: LSP lets a client ignore
-    percentages in reports unless the begin had one, and the load as a whole has none to give.
-    Returns when the engine is loaded or failed to load."""
-    core = ls.core
-    window = ls.client_capabilities.window if ls.client_capabilities else None
-    if not (window and window.work_done_progress):
-        await core.wait_ready()
-        return
-    token = await new_progress_token(ls, "ember-load")
-    if token is None:
-        await core.wait_ready()
-        return
-    shown = core.load_progress.current()
-    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=shown.describe()))
-    download: str | None = None
-    waiting = asyncio.ensure_future(core.wait_ready())
-    while not waiting.done():
-        await asyncio.wait({waiting}, timeout=PROGRESS_REPORT_S)
-        state = core.load_progress.current()
-        if state == shown or waiting.done():
-            continue
-        if state.stage == "downloading" and download is not None:
-            report = types.WorkDoneProgressReport(message=state.describe(), percentage=state.percent())
-            ls.work_done_progress.report(download, report)
-        elif state.stage == "downloading" and shown.stage != "downloading":
-            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=f"downloading {state.model}"))
-            download = await new_progress_token(ls, "ember-download")
-            if download is not None:
-                begin = types.WorkDoneProgressBegin(title="ember", message=state.describe(), percentage=state.percent() or 0)
-                ls.work_done_progress.begin(download, begin)
-        elif state.stage != "downloading":
-            if download is not None:
-                ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message=f"downloaded {shown.model}"))
-                download = None
-            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=state.describe()))
-        shown = state
-    ready = waiting.result()
-    if download is not None:
-        ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message="download stopped"))
-    message = "model ready" if ready else f"engine failed: {core.engine_error}"
-    ls.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
-
-
-async def new_progress_token(ls: EmberServer, prefix: str) -> str | None:
-    """A work-done progress token the client agreed to (``window/workDoneProgress/create``)."""
-    token = f"{prefix}-{uuid.uuid4().hex[:8]}"
-    try:
-        await ls.work_done_progress.create_async(token)
-    except Exception as exc:  # noqa: BLE001 - any refusal by the client means no progress, not an error
-        log.debug("client refused progress token: %s", exc)
-        return None
-    return token

@@ -19,9 +19,9 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams
 from pygls.lsp.server import LanguageServer
 
-from context.document import Document, PositionError, utf16_position
-from context.prompt import CrossFile, Snippet, select_snippets
-from context.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_key, workspace_context
+from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_key, workspace_context
+from context.prompt.snippets import CrossFile, Snippet, select_snippets
+from context.source.document import Document, PositionError, utf16_position
 from lsp import VERSION
 from lsp.completer import prompt_budget
 from lsp.engine_host import EmberCore, close_and_exit

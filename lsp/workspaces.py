@@ -1,4 +1,4 @@
-"""The workspace folders of editor sessions: one :class:`context.workspace.WorkspaceIndex` per root
+"""The workspace folders of editor sessions: one :class:`context.source.workspace.WorkspaceIndex` per root
 folder, shared by the sessions that have that folder open (:class:`IndexRegistry`, on the
 process' core), listed in the background in a worker thread; and a session's own folders
 (:class:`SessionFolders`), from ``initialize`` and ``workspace/didChangeWorkspaceFolders``.
@@ -20,7 +20,7 @@ from typing import Any
 from lsprotocol import types
 from pygls.uris import to_fs_path
 
-from context.workspace import IndexLimits, WorkspaceIndex
+from context.source.workspace import IndexLimits, WorkspaceIndex
 
 log = logging.getLogger(__name__)
 

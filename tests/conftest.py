@@ -22,6 +22,8 @@ os.environ.setdefault("EMBER_MODEL", "bundled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DATA = Path(__file__).parent / "data"
+# The public eval sets: ../shared/eval beside the checkout (as CI lays it out), or $EMBER_EVAL_DIR.
+EVAL = Path(os.environ.get("EMBER_EVAL_DIR") or Path(__file__).resolve().parents[2] / "shared" / "eval")
 
 # Every daemon a test starts (`ember --stdio` forwards to one by default) lives in this session's
 # own runtime directory, exits soon after its last editor, and is stopped when the session ends:

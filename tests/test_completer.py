@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from context.document import Document
-from context.prompt import ApproxCounter
+from context.prompt.window import ApproxCounter
+from context.source.document import Document
 from engine.base import Chunk, Engine, EngineError, GenerationParams, ModelInfo
 from lsp.completer import Completer, Completion
 from lsp.config import Settings

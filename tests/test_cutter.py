@@ -1,4 +1,4 @@
-"""The streaming cutters (context.baselines, context.postprocess.SyntaxCutter) against the string
+"""The streaming cutters (context.prompt.strategy, context.cut.postprocess.SyntaxCutter) against the string
 functions they are built from, on the dev sets' cursors: fed in chunks of any size, a cutter stops
 where ``find_stop`` / ``plain_stop`` stop on the text so far, previews what ``postprocess`` /
 ``plain_postprocess`` give for it, and finishes with their answer."""
@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
-from context.baselines import PlainCutter, strategy
-from context.document import Document
-from context.fim import choose_template, strip_control_tokens
-from context.postprocess import SyntaxCutter, completion_mode, find_stop, plain_postprocess, plain_stop, postprocess
-from context.prompt import ApproxCounter, PromptBudget
-from context.site import AROUND_CHARS, site_at
+from context.cut.control_tokens import strip_control_tokens
+from context.cut.postprocess import SyntaxCutter, completion_mode, find_stop, plain_postprocess, plain_stop, postprocess
+from context.prompt.builder import PromptBudget
+from context.prompt.fim import choose_template
+from context.prompt.site import AROUND_CHARS, site_at
+from context.prompt.strategy import PlainCutter, strategy
+from context.prompt.window import ApproxCounter
+from context.source.document import Document
+from tests.conftest import EVAL
 
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "eval"
 ENDINGS = ["", "<|endoftext|>", "<|file_sep|>more", "\n\n```\nThis function returns the area.\n", "\n" * 3]
 
 
@@ -127,7 +128,7 @@ def test_the_strategy_builds_the_prompt_from_the_site_and_picks_the_cutter() -> 
 
 def test_the_settings_offer_exactly_the_strategies_there_are() -> None:
     # lsp/config.py spells the names out so that the stdio forwarder need not import the pipeline.
-    from context.baselines import POSTPROCESSING, PROMPT_BUILDERS
+    from context.prompt.strategy import POSTPROCESSING, PROMPT_BUILDERS
     from lsp.config import _CHOICES
 
     assert _CHOICES["prompt_strategy"] == tuple(PROMPT_BUILDERS)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tree_sitter import Node, Parser, Tree
 
-from context.document import Document, PositionError
+from context.source.document import Document, PositionError
 
 # ----- reference: vscode-languageserver-textdocument on UTF-16 code units ------------------------
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from context.imports import ResolvedImport, go_imports, resolve_imports
-from context.workspace import WorkspaceIndex
+from context.source.imports import ResolvedImport, go_imports, resolve_imports
+from context.source.workspace import WorkspaceIndex
 
 
 def tree(root: Path, files: dict[str, str], scan: bool = True) -> WorkspaceIndex:

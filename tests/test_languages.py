@@ -1,10 +1,10 @@
-"""context.languages: one description per language family, and indentation in columns."""
+"""context.source.languages: one description per language family, and indentation in columns."""
 
 from __future__ import annotations
 
 import pytest
 
-from context.languages import (
+from context.source.languages import (
     BRANCH,
     BRANCH_HEADERS,
     CUT_CONTINUATION,

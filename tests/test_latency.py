@@ -7,7 +7,6 @@ import asyncio
 import time
 
 from lsprotocol import types
-
 from pygls.exceptions import JsonRpcException
 
 from tests.conftest import plain, stats, wait_ready

@@ -1,4 +1,4 @@
-"""Golden tests for context.postprocess on real-looking code, plus checks on the eval sets.
+"""Golden tests for context.cut.postprocess on real-looking code, plus checks on the eval sets.
 
 Each case is a document with the cursor marked by ``█``, the raw text a model might generate
 there, and the text that must be inserted.
@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from context.document import Document
-from context.postprocess import Mode, completion_mode, find_stop, plain_postprocess, plain_stop, postprocess, syntax_ok
+from context.cut.postprocess import completion_mode, find_stop, plain_postprocess, plain_stop, postprocess, syntax_ok
+from context.cut.surroundings import Mode
+from context.source.document import Document
+from tests.conftest import EVAL
 
 CURSOR = "█"
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "eval"  # ../shared beside the checkout
 
 
 def split(doc: str) -> tuple[str, str]:
@@ -754,7 +754,7 @@ def test_completion_mode_from_the_document_tree_matches_the_parse(lang: str, doc
 
 
 def test_completion_mode_from_the_tree_does_not_parse(monkeypatch: pytest.MonkeyPatch) -> None:
-    import context.surroundings as pp  # where completion_mode parses
+    import context.cut.surroundings as pp  # where completion_mode parses
 
     prefix, suffix = split('def f():\n    """Sum.\n\n    █\n    """\n')
     document = Document("file:///x.py", "python", prefix + suffix)
@@ -785,7 +785,7 @@ class _Failures(logging.Handler):
 def test_garbage_in_never_raises(generated: str, prefix: str, suffix: str, lang: str, mode: str) -> None:
     # The public functions swallow internal errors (and log them); none may happen here.
     failures = _Failures()
-    logger = logging.getLogger("context.postprocess")
+    logger = logging.getLogger("context.cut.postprocess")
     logger.addHandler(failures)
     try:
         stop = find_stop(generated, prefix, suffix, lang, mode)  # type: ignore[arg-type]

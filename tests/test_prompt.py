@@ -1,4 +1,4 @@
-"""Golden tests for context.prompt and context.fim on real-looking code in several languages.
+"""Golden tests for context.prompt.builder and context.prompt.fim on real-looking code in several languages.
 
 Each source marks the cursor with ``█``. Budgets are small so that the window has to choose: the
 anchor must sit on a top-level boundary, the enclosing function must be whole, the imports must
@@ -14,22 +14,13 @@ import time
 
 import pytest
 
-from context.document import Document
-from context.fim import PREFIX_ONLY, TEMPLATES, choose_template, neutralize_control_tokens, strip_control_tokens
-from context.prompt import (
-    ApproxCounter,
-    PromptBudget,
-    PromptRequest,
-    Snippet,
-    anchored_prompt,
-    build_naive_prompt,
-    build_prompt,
-    cut_suffix,
-    definitions,
-    js_imports,
-    python_imports,
-    select_snippets,
-)
+from context.cut.control_tokens import strip_control_tokens
+from context.prompt.builder import PromptBudget, PromptRequest, anchored_prompt, build_naive_prompt, build_prompt
+from context.prompt.fim import PREFIX_ONLY, TEMPLATES, choose_template, neutralize_control_tokens
+from context.prompt.snippets import Snippet, select_snippets
+from context.prompt.window import ApproxCounter, cut_suffix
+from context.source.definitions import definitions, js_imports, python_imports
+from context.source.document import Document
 
 CURSOR = "█"
 

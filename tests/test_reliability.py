@@ -20,7 +20,7 @@ What the server answers (decided here, enforced by the tests):
   with code 0 after ``shutdown``, 1 without (LSP), within 5 s and with no process left behind;
 * positions outside the document in a completion request: -32602 with the line/character limits;
   in didChange ranges they are clamped like vscode-languageserver-textdocument (see
-  context/document.py); changes of one notification apply in order (so ranges may overlap);
+  context/source/document.py); changes of one notification apply in order (so ranges may overlap);
   a didChange whose version is not newer is still applied (changes are ordered on the wire) and
   logged; didChange/didClose for unknown URIs are ignored (logged);
 * a document above ``maxDocumentBytes`` (default 10 MB; 50 MB here) is kept in sync but gets no
@@ -332,7 +332,7 @@ def utf16_len(text: str) -> int:
 
 def ref_offset(text: str, line: int, character: int) -> int:
     """LSP position -> str index with the clamping of vscode-languageserver-textdocument (a
-    position inside a surrogate pair moves after it, as documented in context/document.py)."""
+    position inside a surrogate pair moves after it, as documented in context/source/document.py)."""
     starts = [0] + [m.end() for m in _BREAK.finditer(text)]
     if line >= len(starts):
         return len(text)
@@ -855,7 +855,8 @@ def test_notifications_leave_no_futures_behind():
     """pygls files a future per notification and never removes it; ember's protocol does, so a
     long typing session does not grow the server (in-process: the protocol, no engine)."""
     from lsp.config import Settings
-    from lsp.server import EmberCore, build_server
+    from lsp.engine_host import EmberCore
+    from lsp.server import build_server
 
     server = build_server(EmberCore(Settings()))
     sent: list[bytes] = []

@@ -1,4 +1,4 @@
-"""Cross-file context from the workspace (context/retrieval.py), its repository-level layout in the
+"""Cross-file context from the workspace (context/prompt/retrieval.py), its repository-level layout in the
 prompt, and the sessions' shared indexes (lsp/workspaces.py)."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ import asyncio
 import os
 from pathlib import Path
 
-from context.document import Document
-from context.fim import TEMPLATES
-from context.prompt import CrossFile, PromptBudget, PromptRequest, Snippet, anchored_prompt
-from context.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_key, retrieve, workspace_context
-from context.workspace import WorkspaceIndex
+from context.prompt.builder import PromptBudget, PromptRequest, anchored_prompt
+from context.prompt.fim import TEMPLATES
+from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_key, retrieve, workspace_context
+from context.prompt.snippets import CrossFile, Snippet
+from context.source.document import Document
+from context.source.workspace import WorkspaceIndex
 from lsp.workspaces import IndexRegistry, SessionFolders, uri_path
 
 UTIL = '''"""Helpers."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from context.brackets import InsertionCheck
-from context.postprocess import SyntaxCutter, completion_mode, find_stop, postprocess, syntax_ok
-from context.surroundings import surroundings_of
+from context.cut.brackets import InsertionCheck
+from context.cut.postprocess import SyntaxCutter, completion_mode, find_stop, postprocess, syntax_ok
+from context.cut.surroundings import surroundings_of
 
 CURSOR = "█"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import context.workspace as workspace
-from context.workspace import IndexLimits, WorkspaceIndex
+import context.source.workspace as workspace
+from context.source.workspace import IndexLimits, WorkspaceIndex
 
 
 def write(root: Path, relative: str, text: str | bytes = "def f():\n    return 1\n") -> Path:
@@ -248,7 +248,7 @@ def test_a_file_the_parser_trips_on_gets_an_empty_summary(tmp_path: Path, monkey
     def trip(*args: object, **kwargs: object) -> None:
         raise IndexError("a parser bug")
 
-    monkeypatch.setattr("context.workspace.definitions", trip)
+    monkeypatch.setattr("context.source.workspace.definitions", trip)
     summary = index.summary(str(path))
     assert summary is not None and summary.definitions == ()
 

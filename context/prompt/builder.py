@@ -16,13 +16,13 @@ Every number that decides a cut (characters per token, window size, suffix lengt
 that typing at the cursor does not change, and the decisions that a half-typed statement could
 sway (enclosing blocks, scope lines, header) read the text above the cursor rather than the tree,
 whose error recovery reshapes it mid-statement. So consecutive requests cut at the same places.
-Given the document's :class:`context.memo.TextMemo` (``PromptRequest.memo``), the tokenizer
+Given the document's :class:`context.source.memo.TextMemo` (``PromptRequest.memo``), the tokenizer
 counts the window once when the anchor moves and then one line per keystroke; without one
 (plain strings) every build counts the window afresh. The prompt's text is the same either way;
 ``extra["window_tokens"]`` may differ by a token (a sum of line counts against one count).
 
 Also here: :func:`build_naive_prompt` (the last-N-lines baseline that benchmarks compare against).
-The window's parts are in :mod:`context.window`, the context from other open files
+The window's parts are in :mod:`context.prompt.window`, the context from other open files
 (:func:`select_snippets`) in :mod:`context.snippets`; both are importable from here too.
 """
 
@@ -34,23 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from context.fim import PREFIX_ONLY, FimTemplate, neutralize_control_tokens
-from context.languages import language_info
-from context.memo import TextMemo
-from context.snippets import (
-    NO_CROSS_FILE,
-    CrossFile,
-    Definition,
-    Snippet,
-    definitions,
-    js_imports,
-    module_keys,
-    python_imports,
-    render_repository,
-    render_snippets,
-    select_snippets,
-)
-from context.window import (
+from context.prompt.fim import PREFIX_ONLY, FimTemplate, neutralize_control_tokens
+from context.prompt.snippets import NO_CROSS_FILE, CrossFile, Snippet, render_repository, render_snippets, select_snippets
+from context.prompt.window import (
     ApproxCounter,
     TokenCounter,
     chars_per_token,
@@ -66,6 +52,9 @@ from context.window import (
     scope_names,
     snap_to_syntax,
 )
+from context.source.definitions import Definition, definitions, js_imports, module_keys, python_imports
+from context.source.languages import language_info
+from context.source.memo import TextMemo
 
 try:  # typing only; tree-sitter is always installed with ember
     from tree_sitter import Node, Tree
@@ -311,7 +300,7 @@ def _long_line_start(
 class PromptRequest:
     """What a prompt is built from: the text and cursor, the document's tree and memo, the model's
     template and tokenizer, the budgets. ``memo`` (the document's :attr:`Document.memo
-    <context.document.Document.memo>`) is only read when it was made for ``text``."""
+    <context.source.document.Document.memo>`) is only read when it was made for ``text``."""
 
     text: str
     offset: int

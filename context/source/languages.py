@@ -111,6 +111,13 @@ def supported_languages() -> list[str]:
 # Columns a tab advances to (the next multiple of): post-processing compares indentation in these.
 TAB_WIDTH = 4
 
+# Statements that make up a file's header, at column 0, in any of the supported languages.
+HEADER_STATEMENT = re.compile(
+    r"(?:import\b(?!\()|from\s+[\w.]+\s+import\b|#\s*include\b|package\s+[\w.]+\s*;?\s*$|"
+    r"(?:pub(?:\([^)]*\))?\s+)?use\s+[\w:{*]|extern\s+crate\b|(?:pub\s+)?mod\s+\w+\s*;|using\s+[\w.]+|"
+    r"(?:const|let|var)\s+[^=]+=\s*require\(|export\s+(?:\*|\{[^}]*\})\s+from\b)"
+)
+
 # A cut just before one of these lines splits the construct above it (prompt building's reading,
 # kept apart from STATEMENT_CONTINUATION: it also knows Ruby/Lua's ``end``).
 CUT_CONTINUATION = re.compile(r"[)\]}]|(?:else|elif|except|finally|catch|end)\b")
@@ -147,7 +154,7 @@ class LanguageInfo:
     family: str
     # Starts a comment to the end of the line; also the marker of snippet path headers.
     line_comment: str = "//"
-    # The line comment that post-processing's rough bracket scan skips (context.brackets). Not
+    # The line comment that post-processing's rough bracket scan skips (context.cut.brackets). Not
     # ``line_comment``: it reproduces the scan's values exactly, ``#`` for Python and ``//`` for
     # every other language, Ruby and shell scripts included (whose multi-line lexer is the C-like
     # one too); moving them to ``#`` would change which of their brackets count.

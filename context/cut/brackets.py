@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from tree_sitter import Node, Parser
 
-from context.languages import LanguageInfo, parser_for
-from context.surroundings import Surroundings, is_closer_line, leading_space, parse_window, string_or_comment_at
+from context.cut.surroundings import Surroundings, is_closer_line, leading_space, parse_window, string_or_comment_at
+from context.source.languages import LanguageInfo, parser_for
 
 CLOSERS = ")]}"
 

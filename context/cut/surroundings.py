@@ -1,11 +1,11 @@
 """What the text around the cursor says, summarised once per completion for post-processing.
 
 :class:`Surroundings` (the cursor's line, the lines above and below, the document's indentation
-style and line break, the language's :class:`~context.languages.LanguageInfo`) is what every
-rule in context.line_rules and context.brackets reads; :func:`surroundings_of` builds it from the
+style and line break, the language's :class:`~context.source.languages.LanguageInfo`) is what every
+rule in context.cut.line_rules and context.cut.brackets reads; :func:`surroundings_of` builds it from the
 windows around the cursor. Also here: the line helpers those rules share (closer lines, comments,
-block openers) and the string/comment test behind :func:`context.postprocess.completion_mode`.
-Indentation is counted in columns by :func:`context.languages.indent_columns`.
+block openers) and the string/comment test behind :func:`context.cut.postprocess.completion_mode`.
+Indentation is counted in columns by :func:`context.source.languages.indent_columns`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 
 from tree_sitter import Node, Tree
 
-from context.languages import TAB_WIDTH, LanguageInfo, indent_columns, language_info, parser_for
+from context.source.languages import TAB_WIDTH, LanguageInfo, indent_columns, language_info, parser_for
 
 Mode = Literal["single", "multi"]
 

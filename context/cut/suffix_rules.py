@@ -1,18 +1,18 @@
-"""Where the model's block meets the code after the cursor (part of context.line_rules' block end).
+"""Where the model's block meets the code after the cursor (part of context.cut.line_rules' block end).
 
 A block the model writes into the middle of code that goes on below the cursor must stop where
 the author's code takes over: before a line the suffix already has, before a ``return`` that
 would make the suffix unreachable or a branch the suffix already has, after a header whose body
 the suffix holds. These rules read the model's lines (indentation fixed, as
-context.line_rules gives them) and the suffix's next lines (``Surroundings.next_lines``).
+context.cut.line_rules gives them) and the suffix's next lines (``Surroundings.next_lines``).
 """
 
 from __future__ import annotations
 
 import re
 
-from context.languages import indent_columns
-from context.surroundings import Surroundings, is_closer_line, is_comment, opens_block, same_line
+from context.cut.surroundings import Surroundings, is_closer_line, is_comment, opens_block, same_line
+from context.source.languages import indent_columns
 
 # Statements after which nothing more of their block runs.
 TERMINAL = re.compile(r"^(?:return|raise|throw|break|continue|goto)\b")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from context.languages import LanguageInfo
-from context.surroundings import Mode, Surroundings, completeness
+from context.cut.surroundings import Mode, Surroundings, completeness
+from context.source.languages import LanguageInfo
 
 # A markdown fence: instruct models close their answer with one and write prose after it.
 _FENCE = re.compile(r"^\s*```")

@@ -1,4 +1,4 @@
-"""Which lines of the model's text make the completion (steps 2-4 of context.postprocess.postprocess).
+"""Which lines of the model's text make the completion (steps 2-4 of context.cut.postprocess.postprocess).
 
 :func:`prepare_lines` aligns the model's lines to the cursor, fixes their indentation and cuts
 where chat text begins; :func:`keep_lines` decides how many of them the completion keeps: the end
@@ -13,11 +13,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from context.brackets import CLOSERS, scan_brackets
-from context.chat import chat_start
-from context.languages import TAB_WIDTH, indent_columns
-from context.suffix_rules import TERMINAL, header_end, repeats_suffix, statement_start, suffix_continues
-from context.surroundings import (
+from context.cut.brackets import CLOSERS, scan_brackets
+from context.cut.chat import chat_start
+from context.cut.suffix_rules import TERMINAL, header_end, repeats_suffix, statement_start, suffix_continues
+from context.cut.surroundings import (
     Mode,
     Surroundings,
     completeness,
@@ -28,6 +27,7 @@ from context.surroundings import (
     opens_block,
     same_line,
 )
+from context.source.languages import TAB_WIDTH, indent_columns
 
 # Single mode follows brackets opened on its line through at most this many more lines.
 _SINGLE_SPAN = 16
@@ -298,7 +298,7 @@ def _rescale_levels(out: list[str], site: Surroundings) -> list[str]:
 def keep_lines(lines: list[str], site: Surroundings, mode: Mode, final: bool, stopped: bool = False) -> int | None:
     """How many of ``lines`` make the completion, or ``None`` while undecided (not ``final``).
     ``stopped``: the lines end where these rules stopped the stream (see
-    :func:`context.postprocess.postprocess`)."""
+    :func:`context.cut.postprocess.postprocess`)."""
     if not lines:
         return 0
     keep = _single_keep(lines, site, final) if mode == "single" else _multi_keep(lines, site, final, stopped)

@@ -10,8 +10,8 @@ the cursor. Users judge us by whether accepting it leaves their code right, so t
 * :func:`syntax_ok`: the quality metric (inserting adds no tree-sitter ERROR/MISSING node).
 
 :class:`SyntaxCutter` applies them to one streamed completion (the completer's cutter); the rules
-live in context.line_rules (which lines to keep), context.brackets (brackets, overlap, the parse
-check) and context.surroundings (the summary of the cursor's surroundings they all read).
+live in context.cut.line_rules (which lines to keep), context.cut.brackets (brackets, overlap, the parse
+check) and context.cut.surroundings (the summary of the cursor's surroundings they all read).
 
 All functions are pure (strings in, strings out). tree-sitter is used where a grammar exists (the
 mode at the cursor, bracket balancing, the metric); everything else is line and indentation
@@ -20,7 +20,7 @@ error. ``find_stop`` and ``postprocess`` never raise: garbage in gives ``None`` 
 
 Shared conventions:
 
-* Indentation widths count a tab as 4 columns (``context.languages.indent_columns``), consistently
+* Indentation widths count a tab as 4 columns (``context.source.languages.indent_columns``), consistently
   on both sides of every comparison.
 * Line breaks may be ``\\r\\n``; analysis ignores the ``\\r`` and :func:`postprocess` writes the
   document's own line break.
@@ -34,11 +34,10 @@ import re
 
 from tree_sitter import Tree
 
-from context.brackets import CLOSERS, balance, error_count, parsing_lines, parsing_tokens, scan_brackets, trim_overlap
-from context.fim import strip_control_tokens
-from context.languages import LanguageInfo, normalize_language_id
-from context.line_rules import empty_pair, keep_lines, prepare_lines
-from context.surroundings import (
+from context.cut.brackets import CLOSERS, balance, error_count, parsing_lines, parsing_tokens, scan_brackets, trim_overlap
+from context.cut.control_tokens import strip_control_tokens
+from context.cut.line_rules import empty_pair, keep_lines, prepare_lines
+from context.cut.surroundings import (
     Mode,
     Surroundings,
     inside_string_or_comment,
@@ -48,6 +47,7 @@ from context.surroundings import (
     parse_window,
     surroundings_of,
 )
+from context.source.languages import LanguageInfo, normalize_language_id
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def find_stop(
       with code goes on the cursor's line (see :func:`postprocess`, step 2). Such a line
       indented below the cursor ends the completion at once (index 0).
 
-    ``healed``: what :func:`context.prompt.build_prompt` stripped from the end of the prompt
+    ``healed``: what :func:`context.prompt.builder.build_prompt` stripped from the end of the prompt
     (``Prompt.healed``); the model's text then starts before the cursor (see :func:`postprocess`).
     """
     try:

@@ -1,7 +1,7 @@
 """What prompt building derived from one document text, kept with that text.
 
 Each entry is keyed by the range of the text it was read from (and what was read: a token count,
-a file header, definitions), so an edit elsewhere leaves it valid. :class:`context.document.Document`
+a file header, definitions), so an edit elsewhere leaves it valid. :class:`context.source.document.Document`
 gives every new text a new memo holding the entries its edit did not touch (those after the edit
 moved with it, unless pinned): a keystroke at the cursor keeps the counts of the lines above it, which is what
 lets the tokenizer count a line per keystroke instead of the whole window.

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from tree_sitter import Tree
 
-from context.document import Document
-from context.memo import TextMemo
-from context.postprocess import Mode, completion_mode
-from context.prompt import NO_CROSS_FILE, CrossFile
+from context.cut.postprocess import completion_mode
+from context.cut.surroundings import Mode
+from context.prompt.snippets import NO_CROSS_FILE, CrossFile
+from context.source.document import Document
+from context.source.memo import TextMemo
 
 # Post-processing decides from the lines near the cursor, never from the whole file: this many
 # characters on each side are all it reads (the prompt builder picks its own, token-sized window).
@@ -26,14 +27,14 @@ class CompletionSite:
     """One cursor in one document version."""
 
     uri: str
-    language_id: str  # normalized (context.languages.normalize_language_id)
+    language_id: str  # normalized (context.source.languages.normalize_language_id)
     text: str  # the whole document at the request's version
     offset: int  # the cursor, in characters of ``text``
     tree: Tree | None  # the document's tree-sitter tree at that version, None without a grammar
     cursor_byte: int | None  # the cursor's UTF-8 offset in ``text`` (set with ``tree``)
     prefix: str  # up to AROUND_CHARS before the cursor: what post-processing reads
     suffix: str  # up to AROUND_CHARS after the cursor
-    mode: Mode  # one line or a block (context.postprocess.completion_mode)
+    mode: Mode  # one line or a block (context.cut.postprocess.completion_mode)
     cross_file: CrossFile = NO_CROSS_FILE  # context from other files, in prompt order
     memo: TextMemo | None = None  # what is derived from ``text`` and kept across keystrokes (Document.memo)
 

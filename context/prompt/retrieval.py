@@ -3,7 +3,7 @@ code uses, then the code windows of nearby files most like the lines above the c
 
 The order of the steps is the ranking (CrossCodeEval's and Tabby's recipe, with the imports first):
 
-1. the names the current file imports from workspace files (:func:`context.imports.resolve_imports`)
+1. the names the current file imports from workspace files (:func:`context.source.imports.resolve_imports`)
    and, for each, its definition there: whole when small, else its signature (a class: its
    header and its public members' signatures). Names used near the cursor come first, then names
    imported but not used yet (the likeliest next ones), then the rest;
@@ -25,10 +25,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from context.imports import ResolvedImport, resolve_imports
-from context.languages import language_info, normalize_language_id
-from context.snippets import CrossFile, Definition, Snippet, definitions
-from context.workspace import FileSummary, WorkspaceIndex
+from context.prompt.snippets import CrossFile, Snippet
+from context.source.definitions import Definition, definitions
+from context.source.imports import ResolvedImport, resolve_imports
+from context.source.languages import language_info, normalize_language_id
+from context.source.workspace import FileSummary, WorkspaceIndex
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FULL_LIMIT = 1200  # a definition is shown whole up to this many characters, else its signature

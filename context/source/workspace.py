@@ -1,5 +1,5 @@
 """The workspace's own source files: listed from root folders in resumable steps, summarized lazily
-(top-level definitions with signatures, through :func:`context.snippets.definitions`), cached by
+(top-level definitions with signatures, through :func:`context.source.definitions.definitions`), cached by
 (path, mtime, size) in an LRU with a byte budget.
 
 Built to be driven from a worker thread: every method is safe to call from several threads (a
@@ -22,8 +22,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from context.snippets import Definition, definitions
-from context.source_rules import (
+from context.source.definitions import Definition, definitions
+from context.source.file_rules import (
     SKIP_REASONS,
     SKIPPED_DIRS,
     VENV_MARKER,

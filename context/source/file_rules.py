@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pathspec
 
-from context.languages import language_info, normalize_language_id
+from context.source.languages import language_info, normalize_language_id
 
 # Directories never listed: version control, dependencies, caches and build output.
 SKIPPED_DIRS = frozenset(

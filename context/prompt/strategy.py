@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
-from context.fim import FimTemplate, strip_control_tokens
-from context.postprocess import Mode, StreamCutter, SyntaxCutter, plain_postprocess, plain_stop
-from context.prompt import Prompt, PromptBudget, PromptRequest, TokenCounter, anchored_prompt, naive_prompt
-from context.site import CompletionSite
+from context.cut.control_tokens import strip_control_tokens
+from context.cut.postprocess import StreamCutter, SyntaxCutter, plain_postprocess, plain_stop
+from context.cut.surroundings import Mode
+from context.prompt.builder import Prompt, PromptBudget, PromptRequest, anchored_prompt, naive_prompt
+from context.prompt.fim import FimTemplate
+from context.prompt.site import CompletionSite
+from context.prompt.window import TokenCounter
 
 
 class Cutter(Protocol):
@@ -40,7 +43,7 @@ class Cutter(Protocol):
 
 class PlainCutter(StreamCutter):
     """The baseline without syntax, what a client that only cuts at line breaks does
-    (:func:`context.postprocess.plain_stop`)."""
+    (:func:`context.cut.postprocess.plain_stop`)."""
 
     def __init__(self, mode: Mode) -> None:
         self.mode = mode

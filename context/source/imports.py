@@ -19,15 +19,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from context.languages import language_info, normalize_language_id
-from context.snippets import js_imports, python_imports
-from context.workspace import FileSummary
+from context.source.definitions import js_imports, python_imports
+from context.source.languages import language_info, normalize_language_id
+from context.source.workspace import FileSummary
 
 _MAX_DEPTH = 4  # re-exports followed through at most this many files
 
 
 class SourceTree(Protocol):
-    """What resolution reads (:class:`context.workspace.WorkspaceIndex` is one)."""
+    """What resolution reads (:class:`context.source.workspace.WorkspaceIndex` is one)."""
 
     def roots(self) -> tuple[str, ...]: ...
 

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from context.cut.control_tokens import LEAKING_TOKEN, TOKEN_BREAK
+
 
 @dataclass(frozen=True)
 class FimTemplate:
@@ -122,14 +124,6 @@ _NAME_HINTS: tuple[tuple[str, str], ...] = (
     (r"codestral", "codestral"),
 )
 
-_LEAKING_TOKEN = re.compile(
-    r"<\|[a-z_]+\|>|<fim_[a-z]+>|<(?:file_sep|repo_name|gh_stars)>|<｜[^｜]+｜>|<(?:PRE|SUF|MID|EOT)>|\[(?:PREFIX|SUFFIX)\]"
-)
-# Zero-width space: breaks a control token's string so the tokenizer reads it as plain text; a
-# human reading the prompt sees the same code.
-_BREAK = "\u200b"
-
-
 def choose_template(special_tokens: Iterable[str], model_name: str = "", override: str | None = None) -> FimTemplate:
     """The FIM template for a model; ``override`` (a template name) wins when given."""
     if override:
@@ -147,20 +141,10 @@ def choose_template(special_tokens: Iterable[str], model_name: str = "", overrid
     return PREFIX_ONLY
 
 
-def strip_control_tokens(text: str) -> str:
-    """Remove FIM/chat control tokens that a model may emit as text, and undo
-    :func:`neutralize_control_tokens` where the model copied a broken-up one from the prompt (it
-    is the user's own text then, and a zero-width space must not land in their file)."""
-    text = _LEAKING_TOKEN.sub("", text)
-    if _BREAK in text:
-        text = text.replace("<" + _BREAK, "<").replace("[" + _BREAK, "[")
-    return text
-
-
 @lru_cache(maxsize=32)
 def _control_pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
     extra = "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True))
-    return re.compile(f"{_LEAKING_TOKEN.pattern}|{extra}" if extra else _LEAKING_TOKEN.pattern)
+    return re.compile(f"{LEAKING_TOKEN.pattern}|{extra}" if extra else LEAKING_TOKEN.pattern)
 
 
 def neutralize_control_tokens(text: str, template: FimTemplate = PREFIX_ONLY) -> str:
@@ -170,4 +154,4 @@ def neutralize_control_tokens(text: str, template: FimTemplate = PREFIX_ONLY) ->
     pattern = _control_pattern(template.control_tokens)
     if pattern.search(text) is None:  # the common case: one scan, no copy
         return text
-    return pattern.sub(lambda m: m.group(0)[0] + _BREAK + m.group(0)[1:], text)
+    return pattern.sub(lambda m: m.group(0)[0] + TOKEN_BREAK + m.group(0)[1:], text)

@@ -3,8 +3,8 @@ the suffix is cut, and the lines that precede it (the file header, the scope lin
 
 Every number that decides a cut comes from text that typing at the cursor does not change, and
 the decisions that a half-typed statement could sway read the text above the cursor rather than
-the tree (see :mod:`context.prompt`). Token counts and headers are remembered in the document's
-:class:`context.memo.TextMemo` when the caller has one; without it they are computed afresh.
+the tree (see :mod:`context.prompt.builder`). Token counts and headers are remembered in the document's
+:class:`context.source.memo.TextMemo` when the caller has one; without it they are computed afresh.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
 from typing import Protocol
 
-from context.languages import CUT_CONTINUATION, bracket_depth, indent_columns
-from context.memo import TextMemo
+from context.source.languages import CUT_CONTINUATION, HEADER_STATEMENT, bracket_depth, indent_columns
+from context.source.memo import TextMemo
 
 try:  # typing only; tree-sitter is always installed with ember
     from tree_sitter import Node, Tree
@@ -44,12 +44,6 @@ _SAMPLE_CHARS = 4096
 
 _DEFINITION_SUFFIXES = ("definition", "declaration", "item", "specifier", "method", "function", "class")
 
-# Statements that make up a file's header, at column 0, in any of the supported languages.
-HEADER_STATEMENT = re.compile(
-    r"(?:import\b(?!\()|from\s+[\w.]+\s+import\b|#\s*include\b|package\s+[\w.]+\s*;?\s*$|"
-    r"(?:pub(?:\([^)]*\))?\s+)?use\s+[\w:{*]|extern\s+crate\b|(?:pub\s+)?mod\s+\w+\s*;|using\s+[\w.]+|"
-    r"(?:const|let|var)\s+[^=]+=\s*require\(|export\s+(?:\*|\{[^}]*\})\s+from\b)"
-)
 _HEADER_SCAN_LINES = 400  # imports live at the top; a later one is not worth scanning for
 _TRIPLE_QUOTE = re.compile(r'"""|\'\'\'')
 

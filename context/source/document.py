@@ -30,8 +30,8 @@ from bisect import bisect_left, bisect_right
 
 from tree_sitter import Parser, Tree
 
-from context.languages import normalize_language_id, parser_for
-from context.memo import TextMemo
+from context.source.languages import normalize_language_id, parser_for
+from context.source.memo import TextMemo
 
 Range = tuple[tuple[int, int], tuple[int, int]]
 
