@@ -16,8 +16,8 @@ import pytest
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from context.prompt import PromptBudget
-from engine.embedded import EmbeddedConfig, ember_engine_args, engine_args_problem
+from context.prompt.builder import PromptBudget
+from engine.embedded import EmbeddedConfig, cpu_dtype, ember_engine_args, engine_args_problem
 from lsp.completer import prompt_budget
 from lsp.config import (
     ConfigError,
@@ -26,7 +26,7 @@ from lsp.config import (
     parse_engine_arg,
     vllm_flags,
 )
-from lsp.server import EmberCore
+from lsp.engine_host import EmberCore
 from tests.conftest import client_capabilities, stats, wait_ready
 from tests.test_server import inline, open_doc
 
@@ -91,6 +91,19 @@ def test_engine_defaults_gpu_cpu_and_long_lived() -> None:
     assert stdio["enforce_eager"] is True and stdio["block_size"] == 32
     daemon = ember_engine_args(EmbeddedConfig(model_path="/m", model_name="m", long_lived=True), on_cpu=True)
     assert daemon["enforce_eager"] is False  # compiled where the engine lives long
+    assert gpu["dtype"] == "bfloat16" and stdio["dtype"] == cpu_dtype()
+    assert ember_engine_args(EmbeddedConfig(model_path="/m", model_name="m", dtype="float16"), on_cpu=True)["dtype"] == "float16"
+
+
+def test_cpu_dtype_follows_the_cpus_bf16_arithmetic() -> None:
+    """float32 where bf16 would be emulated (AVX2 only), bfloat16 where the CPU has it."""
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse4_2 avx f16c avx2 fma\n"
+    assert cpu_dtype(avx2) == "float32"
+    assert cpu_dtype(avx2.replace("avx2", "avx2 avx512f avx512_bf16")) == "bfloat16"
+    assert cpu_dtype(avx2.replace("avx2", "avx2 amx_bf16 amx_tile")) == "bfloat16"
+    assert cpu_dtype("processor\t: 0\nFeatures\t: fp asimd sve bf16\n") == "bfloat16"  # Arm
+    assert cpu_dtype("processor\t: 0\nFeatures\t: fp asimd\n") == "float32"
+    assert cpu_dtype("") == "bfloat16"  # nothing to read: as before
 
 
 def test_long_lived_core_builds_a_long_lived_engine_and_explicit_args_stay() -> None:

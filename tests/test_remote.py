@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from engine.base import Chunk, Engine, EngineError, EngineNotReady, GenerationParams
+from engine.embedded import cpu_dtype
 from engine.remote import ApproxTokenizer, RemoteEngine, fetch_metrics, finished_requests, prefix_cache_hits
 from engine.routing import LoadPolicy, Replica, metric_sum, order, parse_prometheus, rank
 
@@ -353,7 +354,7 @@ class VllmServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", "2048", "--block-size", "32", "--enable-prefix-caching",
-            "--dtype", "bfloat16", "--enforce-eager", "--enable-prompt-tokens-details",
+            "--dtype", cpu_dtype(), "--enforce-eager", "--enable-prompt-tokens-details",
             "--served-model-name", SERVED_NAME,
         ]  # fmt: skip
         with log_path.open("wb") as out:
@@ -490,8 +491,8 @@ async def test_prompt_budget_follows_the_max_model_len_the_server_reports() -> N
     """The fake server lists its model with max_model_len 1024: the prompt for a long document is
     cut to half of that (not to ember's 1024 tokens for a 2048-token model); an explicit
     contextTokens still wins."""
-    from context.document import Document
-    from context.prompt import PromptBudget
+    from context.prompt.builder import PromptBudget
+    from context.source.document import Document
     from lsp.completer import Completer, prompt_budget
     from lsp.config import Settings
     from lsp.metrics import Metrics
