@@ -132,7 +132,9 @@ class Task:
 
 
 def source_files() -> list[Path]:
-    files = [p for folder in SOURCES for p in sorted((ROOT / folder).glob("*.py")) if p.stat().st_size > 3000]
+    # context/ keeps its modules in rooms (context/source/, ...): one level of sub-packages is read.
+    found = [p for folder in SOURCES for pattern in ("*.py", "*/*.py") for p in sorted((ROOT / folder).glob(pattern))]
+    files = [p for p in found if not any(part.startswith(".") for part in p.relative_to(ROOT).parts) and p.stat().st_size > 3000]
     if not files:
         raise RuntimeError("no source files found under " + ", ".join(SOURCES))
     return files
