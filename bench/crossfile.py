@@ -3,9 +3,9 @@
     .venv/bin/python bench/crossfile.py --model qwen-coder --base ../wt-base
     .venv/bin/python bench/crossfile.py --model smollm2 --limit 1 --configs current@base,tab@base,current,tab --base ../wt-base
 
-Cases: ``../shared/eval/crossfile_dev.jsonl`` (beside the checkout, or ``$EMBER_EVAL_DIR``) (152 lines cut from five pinned packages: a line
-inside a function that calls or reads a name imported from a sibling module, the cursor just
-before that name). The packages are unpacked under ``--repos`` as ``name-version/`` (the layout of
+Cases: ``../shared/eval/crossfile_dev.jsonl`` beside the checkout (or ``$EMBER_EVAL_DIR``): 496 lines
+cut from fifteen pinned packages, each a line inside a function that calls or reads a name imported
+from a sibling module, the cursor just before that name. The packages are unpacked under ``--repos`` as ``name-version/`` (the layout of
 ``../shared/eval/fetch-crossfile-repos.sh``). The file on disk holds the author's text; the editor's
 document is ``prefix + suffix`` under the real file's URI, so that an index that prefers an open
 document's live text over the disk never sees the middle.
@@ -15,6 +15,9 @@ Configurations (``--configs``):
   tab:       crossFile "open", the defining module (``defined_in``, its disk text) opened first as a
              second document, closed after the case;
   workspace: crossFile "workspace", only the case's file open;
+  oracle:    crossFile "open" with a tab at the defining module's URI that holds only the cut name's
+             own definition (whole up to the snippet limit, else its signature): what the model
+             gains from exactly the right context, rendered as the block renders it (the ceiling);
   NAME@base: NAME run from the checkout ``--base`` (as bench/replay.py does: ``python -m lsp`` with
              that checkout as its working directory). A checkout whose lsp/config.py still declares
              ``cross_file: bool`` gets crossFile true for "open" (and no crossFileTokens).
@@ -69,8 +72,8 @@ from bench.quality import (  # noqa: E402
 )
 
 CASES = EVAL / "crossfile_dev.jsonl"
-DEFAULT_CONFIGS = "current@base,tab@base,current,tab,workspace"
-MODES = {"current": "open", "tab": "open", "workspace": "workspace"}
+DEFAULT_CONFIGS = "current,tab,workspace,oracle"
+MODES = {"current": "open", "tab": "open", "workspace": "workspace", "oracle": "open"}
 SCAN_WAIT_S = 60.0
 SAVE_EVERY_S = 30.0
 REQUEST_TIMEOUT_S = 60.0  # the server's own timeoutMs; the client waits a minute longer
@@ -287,7 +290,7 @@ def parse_configs(names: str, args: argparse.Namespace) -> list[Config]:
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         kind, _, where = name.partition("@")
         if kind not in MODES or where not in ("", "base"):
-            raise SystemExit(f"unknown configuration {name!r} (current, tab, workspace, NAME@base)")
+            raise SystemExit(f"unknown configuration {name!r} (current, tab, workspace, oracle, NAME@base)")
         if where and args.base is None:
             print(f"error: {name} needs --base DIR (a checkout of today's code); skipped", file=sys.stderr)
             continue
@@ -334,9 +337,10 @@ async def start_servers(servers: dict[tuple[str, str], WorkspaceServer]) -> dict
 
 async def run_case(server: WorkspaceServer, config: Config, case: CrossCase, folder: Path) -> Record:
     uri = (folder / case.path).as_uri()
-    tab_uri = (folder / case.defined_in).as_uri() if config.kind == "tab" else None
+    tab_uri = (folder / case.defined_in).as_uri() if config.kind in ("tab", "oracle") else None
     if tab_uri:
         text = (folder / case.defined_in).read_text(encoding="utf-8")
+        text = oracle_text(text, case, folder) if config.kind == "oracle" else text
         server.client.text_document_did_open(
             types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=tab_uri, language_id="python", version=1, text=text))
         )
@@ -349,6 +353,71 @@ async def run_case(server: WorkspaceServer, config: Config, case: CrossCase, fol
                 types.DidCloseTextDocumentParams(text_document=types.TextDocumentIdentifier(uri=tab_uri))
             )
     return score(case, config.name, completion, last, client_ms, error)
+
+
+def oracle_text(module: str, case: CrossCase, folder: Path | None = None, hops: int = 3) -> str:
+    """The cut name's own definition in its module, as the cross-file block shows a definition
+    (whole up to the snippet limit, else its signature); where the name is the module itself
+    (``_compat.term_len(...)``), the definitions of the attributes the author's line reads; empty
+    when the module does not define it at its top level (a definition under ``if``, an alias).
+    A re-export (``from .headers import Headers`` in an ``__init__``) is followed into the module
+    it names, ``hops`` times at most, when ``folder`` (the package's import root) is given."""
+    from context.source.definitions import FULL_LIMIT, definitions, python_imports
+
+    path = Path(case.defined_in)
+    is_module = case.name in (path.stem, path.parent.name if path.stem == "__init__" else None)
+    wanted = set(re.findall(rf"\b{re.escape(case.name)}\.(\w+)", case.middle)) if is_module else {case.name}
+    shown = [found.full if len(found.full) <= FULL_LIMIT else found.signature
+             for found in definitions(module, "python", case.defined_in, private=True) if found.name in wanted]
+    if shown or folder is None or hops == 0:
+        return "\n".join(shown) + "\n" if shown else ""
+    package = path.parent.parts
+    for spec, names in python_imports(module).items():
+        if case.name not in names:
+            continue
+        dots = len(spec) - len(spec.lstrip("."))
+        parts = (*package[: len(package) - (dots - 1)], *spec.lstrip(".").split(".")) if dots else tuple(spec.split("."))
+        for candidate in (Path(*parts).with_suffix(".py"), Path(*parts) / "__init__.py"):
+            if (folder / candidate).is_file():
+                moved = CrossCase(case.id, case.repo, case.path, str(candidate), case.name, case.prefix, case.middle, case.suffix)
+                return oracle_text((folder / candidate).read_text(encoding="utf-8"), moved, folder, hops - 1)
+    return ""
+
+
+def offline_recall(cases: list[CrossCase], repos: Path) -> dict[str, Any]:
+    """Without a model: how often the cross-file block holds the cut name's definition (the first
+    line of the oracle's text), for the tab (crossFile "open", the defining module open) and the
+    workspace index (crossFile "workspace"), built by this checkout's own selection at the default
+    budgets (2048 tokens). A selection that leaves the definition out cannot lift the case."""
+    from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context
+    from context.prompt.snippets import select_snippets
+    from context.source.workspace import WorkspaceIndex
+    from lsp.completer import prompt_budget
+    from lsp.config import Settings
+
+    budgets = {mode: prompt_budget(Settings(cross_file=mode), 2048).snippet_chars for mode in ("open", "workspace")}
+    indexes: dict[Path, WorkspaceIndex] = {}
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: {"cases": 0, "oracle": 0, "tab": 0, "workspace": 0})
+    for case in cases:
+        folder = repos / case.package
+        module = (folder / case.defined_in).read_text(encoding="utf-8")
+        oracle = oracle_text(module, case, folder)
+        text, offset, path = case.prefix + case.suffix, len(case.prefix), str(folder / case.path)
+        if folder not in indexes:
+            indexes[folder] = WorkspaceIndex([str(folder)])
+            indexes[folder].scan()
+        view = WorkspaceView(indexes[folder], {path: OpenFile(text, "python")})
+        blocks = {
+            "tab": select_snippets(text, "python", [((folder / case.defined_in).as_uri(), module[:200_000])], budgets["open"]),
+            "workspace": workspace_context(view, Cursor(path, text, offset, "python"), budgets["workspace"]).snippets,
+        }
+        for repo in (case.repo, "ALL"):
+            counts[repo]["cases"] += 1
+            counts[repo]["oracle"] += bool(oracle)
+            for name, snippets in blocks.items():
+                block = "\n".join(s.text for s in snippets)
+                counts[repo][name] += bool(oracle) and oracle.split("\n", 1)[0].strip() in block
+    return dict(counts)
 
 
 def git_head(checkout: Path | None) -> dict[str, Any] | None:
@@ -427,6 +496,35 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     }
 
 
+def gains_and_losses(records: list[Record], configs: list[str], against: str = "current") -> dict[str, dict[str, int]]:
+    """Per configuration, the cases it gets right and ``against`` does not (gained), and the other way."""
+    right = {(r.config, r.id): r.exact for r in records}
+    result: dict[str, dict[str, int]] = {}
+    for config in configs:
+        ids = {r.id for r in records if r.config == config} & {r.id for r in records if r.config == against}
+        result[config] = {
+            "gained": sum(right[(config, i)] and not right[(against, i)] for i in ids),
+            "lost": sum(right[(against, i)] and not right[(config, i)] for i in ids),
+        }
+    return result
+
+
+def issue29_targets(overall: dict[str, dict[str, Any]], changes: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
+    """Issue 29's targets: workspace EM at least tab EM and 1.25x current EM, one loss against
+    current at most for every three gains."""
+
+    def em(name: str) -> float | None:
+        return (overall.get(name) or {}).get("exact")
+
+    workspace, current, tab = em("workspace"), em("current"), em("tab")
+    change = changes.get("workspace") or {}
+    return {
+        "workspace EM - tab EM": {"value": None if workspace is None or tab is None else workspace - tab, "goal": 0.0},
+        "workspace EM / current EM": {"value": workspace / current if workspace is not None and current else None, "goal": 1.25},
+        "workspace gained / lost vs current": {"value": f"+{change.get('gained')} -{change.get('lost')}", "goal": "lost <= gained / 3"},
+    }
+
+
 def targets(overall: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Issue 14's targets, from the overall exact match of each configuration."""
 
@@ -450,7 +548,15 @@ def summarize_run(records: list[Record], configs: list[str]) -> dict[str, Any]:
     for repo in sorted({r.repo for r in records}):
         per_package[repo] = {c: summarize([r for r in records if r.repo == repo and r.config == c]) for c in configs}
     overall = {c: summarize([r for r in records if r.config == c]) for c in configs}
-    return {"per_package": per_package, "overall": overall, "targets": targets(overall)}
+    changes = gains_and_losses(records, configs) if "current" in configs else {}
+    for repo, rows in per_package.items():
+        repo_changes = gains_and_losses([r for r in records if r.repo == repo], configs) if changes else {}
+        for config, row in rows.items():
+            row.update(repo_changes.get(config, {}))
+    for config, row in overall.items():
+        row.update(changes.get(config, {}))
+    return {"per_package": per_package, "overall": overall, "targets": targets(overall),
+            "issue29_targets": issue29_targets(overall, changes)}
 
 
 def fmt(value: Any, spec: str) -> str:
@@ -461,17 +567,22 @@ def print_tables(summary: dict[str, Any]) -> None:
     sections = {**summary["per_package"], "ALL": summary["overall"]}
     for title, rows in sections.items():
         print(f"\n{title}")
-        print(f"  {'config':14} {'n':>4} {'EM':>6} {'edit sim':>8} {'prompt tok':>10} {'p50 ms':>8} {'errors':>6}")
+        print(f"  {'config':14} {'n':>4} {'EM':>6} {'edit sim':>8} {'vs current':>10} {'prompt tok':>10} {'p50 ms':>8} {'errors':>6}")
         for config, s in rows.items():
             if s["n"]:
+                change = f"+{s['gained']} -{s['lost']}" if "gained" in s else "-"
                 print(
-                    f"  {config:14} {s['n']:>4} {fmt(s['exact'], '.3f'):>6} {fmt(s['edit_sim'], '.3f'):>8} "
+                    f"  {config:14} {s['n']:>4} {fmt(s['exact'], '.3f'):>6} {fmt(s['edit_sim'], '.3f'):>8} {change:>10} "
                     f"{fmt(s['prompt_tokens_mean'], '.0f'):>10} {fmt(s['latency_p50_ms'], '.0f'):>8} {s['errors']:>6}"
                 )
     print("\ntargets (issue 14):")
     for name, t in summary["targets"].items():
         verdict = "-" if t["ok"] is None else "ok" if t["ok"] else "MISS"
         print(f"  {name:32} {fmt(t['value'], '+.3f' if '-' in name else '.3f'):>8}  (goal >= {t['goal']})  {verdict}")
+    print("\ntargets (issue 29):")
+    for name, t in summary["issue29_targets"].items():
+        value = t["value"] if isinstance(t["value"], str) else fmt(t["value"], "+.3f" if " - " in name else ".3f")
+        print(f"  {name:36} {value:>10}  (goal: {t['goal']})")
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -482,9 +593,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default="qwen-coder", help="qwen-coder (default), smollm2, or a model path (bench/quality.py resolve)"
     )
-    parser.add_argument("--limit", type=int, help="N cases per package (fixed seed); default all 152")
+    parser.add_argument("--limit", type=int, help="N cases per package (fixed seed); default all 496")
     parser.add_argument(
-        "--configs", default=DEFAULT_CONFIGS, help=f"comma list of current, tab, workspace, NAME@base (default {DEFAULT_CONFIGS})"
+        "--configs", default=DEFAULT_CONFIGS, help=f"comma list of current, tab, workspace, oracle, NAME@base (default {DEFAULT_CONFIGS})"
     )
     parser.add_argument(
         "--base", type=Path, help="another checkout (today's code, a git worktree) for the NAME@base configurations"
@@ -496,7 +607,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the unpacked packages, as name-version/ (default bench/.cache/crossfile-repos)",
     )
     parser.add_argument("--cases", type=Path, default=CASES)
-    parser.add_argument("--packages", help="comma list of package names to run (click,flask; default all five)")
+    parser.add_argument("--packages", help="comma list of package names to run (click,flask; default all fifteen)")
+    parser.add_argument("--recall", action="store_true",
+                        help="no model: how often the tab's and the workspace's blocks hold the cut name's definition")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument(
         "--cross-file-tokens", type=int, help="crossFileTokens for the new code's servers (default: the server's)"
@@ -582,8 +695,23 @@ async def run_until_signal(args: argparse.Namespace) -> int:
         return 130
 
 
+def print_recall(args: argparse.Namespace) -> int:
+    cases = load_cases(args.cases)
+    counts = offline_recall(cases, args.repos)
+    print(f"{'package':28} {'cases':>5} {'oracle':>6} {'in tab':>6} {'in workspace':>12}  (the definition's first line in the block)")
+    for repo, c in sorted(counts.items(), key=lambda item: (item[0] == "ALL", item[0])):
+        print(f"{repo:28} {c['cases']:>5} {c['oracle']:>6} {c['tab']:>6} {c['workspace']:>12}")
+    out = args.out or RESULTS / "crossfile-recall.json"
+    out.write_text(json.dumps({"commit": git_head(ROOT), "counts": counts}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(run_until_signal(parse_args(argv)))
+    args = parse_args(argv)
+    if args.recall:
+        return print_recall(args)
+    return asyncio.run(run_until_signal(args))
 
 
 if __name__ == "__main__":
