@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
 from context.prompt.builder import PromptBudget
-from engine.embedded import EmbeddedConfig, cpu_dtype, ember_engine_args, engine_args_problem
+from engine.embedded import EmbeddedConfig, _cpu_defaults, cpu_dtype, ember_engine_args, engine_args_problem
 from lsp.completer import prompt_budget
 from lsp.config import (
     ConfigError,
@@ -104,6 +105,16 @@ def test_cpu_dtype_follows_the_cpus_bf16_arithmetic() -> None:
     assert cpu_dtype("processor\t: 0\nFeatures\t: fp asimd sve bf16\n") == "bfloat16"  # Arm
     assert cpu_dtype("processor\t: 0\nFeatures\t: fp asimd\n") == "float32"
     assert cpu_dtype("") == "bfloat16"  # nothing to read: as before
+
+
+def test_cpu_defaults_run_the_model_in_the_engine_core_unless_the_user_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    _cpu_defaults()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    _cpu_defaults()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_long_lived_core_builds_a_long_lived_engine_and_explicit_args_stay() -> None:

@@ -49,6 +49,10 @@ async def test_killed_engine_fails_fast_and_is_restarted(sample_text):
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "ember_requests_total 1" in metrics and 'ember_latency_ms{quantile="0.5"}' in metrics
 
+        # On the CPU the model runs inside the engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0, ember's
+        # CPU default): no worker process of its own, which would import torch and vLLM once more.
+        names = [" ".join(c.cmdline()) or c.name() for c in psutil.Process(client._server.pid).children(recursive=True)]
+        assert not [n for n in names if "Worker" in n], names
         engine_core(client._server.pid).kill()
         await asyncio.sleep(0.5)
         t0 = time.monotonic()

@@ -348,6 +348,7 @@ class VllmServer:
         env.update(
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the model in the engine core, as ember's CPU engine
             VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}"),
         )
         cmd = [
