@@ -58,6 +58,10 @@ class LoadConfig:
     max_tokens: int = 8
     seed: int = 11
     key_ms: tuple[int, int] = (40, 140)
+    # Prompt budgets (contextTokens, suffixTokens); None: the server's defaults. ember's memory does not
+    # grow with them (the completion cache is keyed by a hash and holds answers), the engine's work does.
+    context_tokens: int | None = None
+    suffix_tokens: int | None = None
 
 
 @dataclass
@@ -220,7 +224,12 @@ async def type_document(client: LanguageClient, task: Task, config: LoadConfig, 
 
 
 async def run_session(address: tuple[str, int], tasks: list[Task], config: LoadConfig, report: LoadReport) -> None:
-    client = await connect(address, {"maxTokens": config.max_tokens})
+    options: dict[str, Any] = {"maxTokens": config.max_tokens}
+    if config.context_tokens is not None:
+        options["contextTokens"] = config.context_tokens
+    if config.suffix_tokens is not None:
+        options["suffixTokens"] = config.suffix_tokens
+    client = await connect(address, options)
     try:
         # Every document is open from the start, like an editor with many tabs: memory that grows
         # after that grows with requests, not with documents.
@@ -358,9 +367,12 @@ async def main() -> int:
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--context-tokens", type=int, help="contextTokens of every session (default: the server's)")
+    parser.add_argument("--suffix-tokens", type=int, help="suffixTokens of every session (default: the server's)")
     parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
     args = parser.parse_args()
-    config = LoadConfig(args.sessions, args.documents, args.requests, args.max_tokens, args.seed)
+    config = LoadConfig(args.sessions, args.documents, args.requests, args.max_tokens, args.seed,
+                        context_tokens=args.context_tokens, suffix_tokens=args.suffix_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = ROOT / "bench" / ".cache" / "load-server.log"  # vLLM logs a lot: not a result
     log_path.parent.mkdir(parents=True, exist_ok=True)
