@@ -12,6 +12,8 @@ export interface EmberSettings {
   /** Token for TCP servers started with --token. */
   token: string;
   model: string;
+  /** A FIM template name for a model ember does not recognize; empty: chosen from the model. */
+  fimTemplate: string;
   engineUrl: string[];
   maxTokens: number | undefined;
   debounceMs: number | undefined;
@@ -19,6 +21,13 @@ export interface EmberSettings {
   temperature: number | undefined;
   earlyAnswerMs: number | undefined;
   maxRequestsPerSecond: number | undefined;
+  suffixTokens: number | undefined;
+  crossFileTokens: number | undefined;
+  timeoutMs: number | undefined;
+  /** "workspace", "open" or "off"; empty: the server's default. */
+  crossFile: string;
+  /** vLLM engine arguments over ember's defaults (embedded engine), e.g. {"max_model_len": 4096}. */
+  engineArgs: Record<string, unknown>;
   /** Also show ember's item in the suggest widget (it is always shown as ghost text). */
   suggestWidget: boolean;
 }
@@ -29,6 +38,7 @@ export const DEFAULT_SETTINGS: EmberSettings = {
   tcp: '',
   token: '',
   model: '',
+  fimTemplate: '',
   engineUrl: [],
   maxTokens: undefined,
   debounceMs: undefined,
@@ -36,8 +46,15 @@ export const DEFAULT_SETTINGS: EmberSettings = {
   temperature: undefined,
   earlyAnswerMs: undefined,
   maxRequestsPerSecond: undefined,
+  suffixTokens: undefined,
+  crossFileTokens: undefined,
+  timeoutMs: undefined,
+  crossFile: '',
+  engineArgs: {},
   suggestWidget: false,
 };
+
+const CROSS_FILE_MODES = ['workspace', 'open', 'off'];
 
 function str(v: unknown, fallback: string): string {
   return typeof v === 'string' ? v.trim() : fallback;
@@ -48,6 +65,10 @@ function num(v: unknown, integer: boolean): number | undefined {
   const n = typeof v === 'number' ? v : Number(v);
   if (!Number.isFinite(n)) return undefined;
   return integer ? Math.trunc(n) : n;
+}
+
+function plainObject(v: unknown): Record<string, unknown> {
+  return v !== null && typeof v === 'object' && !Array.isArray(v) ? { ...(v as Record<string, unknown>) } : {};
 }
 
 function urls(v: unknown): string[] {
@@ -67,6 +88,7 @@ export function readSettings(get: (key: string) => unknown): EmberSettings {
     tcp: str(get('tcp'), ''),
     token: str(get('token'), ''),
     model: str(get('model'), ''),
+    fimTemplate: str(get('fimTemplate'), ''),
     engineUrl: urls(get('engineUrl')),
     maxTokens: num(get('maxTokens'), true),
     debounceMs: num(get('debounceMs'), true),
@@ -74,6 +96,11 @@ export function readSettings(get: (key: string) => unknown): EmberSettings {
     temperature: num(get('temperature'), false),
     earlyAnswerMs: num(get('earlyAnswerMs'), true),
     maxRequestsPerSecond: num(get('maxRequestsPerSecond'), false),
+    suffixTokens: num(get('suffixTokens'), true),
+    crossFileTokens: num(get('crossFileTokens'), true),
+    timeoutMs: num(get('timeoutMs'), true),
+    crossFile: CROSS_FILE_MODES.includes(str(get('crossFile'), '')) ? str(get('crossFile'), '') : '',
+    engineArgs: plainObject(get('engineArgs')),
     suggestWidget: get('suggestWidget') === true,
   };
 }
@@ -86,6 +113,7 @@ export function readSettings(get: (key: string) => unknown): EmberSettings {
 export function toInitializationOptions(s: EmberSettings): Record<string, unknown> {
   const o: Record<string, unknown> = {};
   if (s.model) o.model = s.model;
+  if (s.fimTemplate) o.fimTemplate = s.fimTemplate;
   if (s.engineUrl.length === 1) o.engineUrl = s.engineUrl[0];
   else if (s.engineUrl.length > 1) o.engineUrl = [...s.engineUrl];
   if (s.maxTokens !== undefined) o.maxTokens = s.maxTokens;
@@ -94,6 +122,10 @@ export function toInitializationOptions(s: EmberSettings): Record<string, unknow
   if (s.temperature !== undefined) o.temperature = s.temperature;
   if (s.earlyAnswerMs !== undefined) o.earlyAnswerMs = s.earlyAnswerMs;
   if (s.maxRequestsPerSecond !== undefined) o.maxRequestsPerSecond = s.maxRequestsPerSecond;
+  if (s.suffixTokens !== undefined) o.suffixTokens = s.suffixTokens;
+  if (s.crossFileTokens !== undefined) o.crossFileTokens = s.crossFileTokens;
+  if (s.timeoutMs !== undefined) o.timeoutMs = s.timeoutMs;
+  if (s.crossFile) o.crossFile = s.crossFile;
   if (s.token) o.token = s.token;
   return o;
 }
@@ -145,6 +177,8 @@ export function connection(s: EmberSettings): Connection {
   for (const url of s.engineUrl) args.push('--engine-url', url);
   if (s.maxTokens !== undefined) args.push('--max-tokens', String(s.maxTokens));
   if (s.debounceMs !== undefined) args.push('--debounce-ms', String(s.debounceMs));
+  // On the command line, so that the engine (or the shared daemon's) starts with them at once.
+  for (const [key, value] of Object.entries(s.engineArgs)) args.push('--engine-arg', `${key}=${JSON.stringify(value)}`);
   args.push(...s.serverArgs);
   return { kind: 'stdio', command: s.serverPath, args };
 }

@@ -44,6 +44,14 @@ describe('readSettings', () => {
 });
 
 describe('toInitializationOptions', () => {
+  it('sends the context settings the server has', () => {
+    const o = toInitializationOptions(
+      settings({ crossFile: 'open', crossFileTokens: 512, suffixTokens: 128, timeoutMs: 5000, fimTemplate: 'starcoder2' }),
+    );
+    assert.deepEqual(o, { fimTemplate: 'starcoder2', crossFile: 'open', crossFileTokens: 512, suffixTokens: 128, timeoutMs: 5000 });
+    assert.equal(settings({ crossFile: 'everywhere' }).crossFile, '');
+  });
+
   it('sends only what is set, with the server keys', () => {
     assert.deepEqual(toInitializationOptions(DEFAULT_SETTINGS), {});
     const o = toInitializationOptions(
@@ -126,6 +134,18 @@ describe('connection', () => {
         '--log-level', 'debug',
       ],
     });
+  });
+
+  it('passes engine arguments on the command line, and a change restarts the server', () => {
+    const s = settings({ engineArgs: { max_model_len: 4096, kv_cache_dtype: 'fp8' } });
+    assert.deepEqual(connection(s), {
+      kind: 'stdio',
+      command: 'ember',
+      args: ['--stdio', '--engine-arg', 'max_model_len=4096', '--engine-arg', 'kv_cache_dtype="fp8"'],
+    });
+    assert.equal(toInitializationOptions(s).engineArgs, undefined); // start-up only: not for a running server
+    assert.equal(needsRestart(settings({}), s), true);
+    assert.deepEqual(settings({ engineArgs: ['x'] }).engineArgs, {});
   });
 
   it('connects over TCP when tcp is set', () => {
