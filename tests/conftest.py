@@ -36,6 +36,24 @@ SERVER_ARGS = ["--daemon", "off", "--max-tokens", "24", "--log-level", "INFO"]
 # more start-up); tests that do not test that default start eager, to keep CI's 2 cores in time.
 EAGER = ("--engine-arg", "enforce_eager=true")
 READY_TIMEOUT_S = 600  # generous: CI has 2 cores and several engines start at once
+# The file the editor tests (Neovim, the VS Code workbench) open, and the line they type at its end.
+EDITOR_SAMPLE = '''\
+"""Small math helpers."""
+
+
+def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+
+def factorial(n):
+    """Return n factorial."""
+    if n < 2:
+        return 1
+'''
+EDITOR_TYPED = "    return n * "
 
 
 def client_capabilities() -> types.ClientCapabilities:

@@ -40,22 +40,6 @@ def server_keys() -> set[str]:
     camel = {re.sub(r"_(\w)", lambda m: m.group(1).upper(), f.name) for f in dataclasses.fields(Settings)}
     return camel - BENCHMARK_SWITCHES | {"token"}
 
-SAMPLE = '''\
-"""Small math helpers."""
-
-
-def fibonacci(n):
-    """Return the n-th Fibonacci number."""
-    if n < 2:
-        return n
-    return fibonacci(n - 1) + fibonacci(n - 2)
-
-
-def factorial(n):
-    """Return n factorial."""
-    if n < 2:
-        return 1
-'''
 
 
 def ember_executable() -> str:

@@ -22,30 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EAGER
+from tests.conftest import EAGER, EDITOR_SAMPLE, EDITOR_TYPED
 
 REPO = Path(__file__).resolve().parents[1]
 NVIM_DIR = REPO / "editors" / "nvim"
 E2E_LUA = NVIM_DIR / "test" / "e2e.lua"
 ATTACH_LUA = NVIM_DIR / "test" / "attach.lua"
 
-SAMPLE = '''\
-"""Small math helpers."""
-
-
-def fibonacci(n):
-    """Return the n-th Fibonacci number."""
-    if n < 2:
-        return n
-    return fibonacci(n - 1) + fibonacci(n - 2)
-
-
-def factorial(n):
-    """Return n factorial."""
-    if n < 2:
-        return 1
-'''
-TYPED = "    return n * "
 
 
 def ember_command() -> list[str]:
@@ -195,7 +178,7 @@ def run_nvim(binary: str, driver: Path, tmp_path: Path, env: dict[str, str], tim
 def project(tmp_path: Path) -> Path:
     src = tmp_path / "proj" / "mathutil.py"
     src.parent.mkdir(parents=True)
-    src.write_text(SAMPLE)
+    src.write_text(EDITOR_SAMPLE)
     return src
 
 
@@ -299,7 +282,7 @@ def test_nvim_receives_ember_completion(which: str, tmp_path: Path) -> None:
         EMBER_E2E_FILE=str(project(tmp_path)),
         EMBER_E2E_CMD=json.dumps(ember_command()),
         EMBER_E2E_TIMEOUT="360",
-        EMBER_E2E_TYPE=TYPED,
+        EMBER_E2E_TYPE=EDITOR_TYPED,
         XDG_RUNTIME_DIR=str(runtime),
     )
     r = run_nvim(binary, E2E_LUA, tmp_path, env, timeout=540)
@@ -312,7 +295,7 @@ def test_nvim_receives_ember_completion(which: str, tmp_path: Path) -> None:
     assert r["omnifunc"] == "v:lua.vim.lsp.omnifunc"
 
     # The typed text went through Neovim's insert mode and its LSP client.
-    assert r["typed_line"] == TYPED
+    assert r["typed_line"] == EDITOR_TYPED
     assert r["did_open_logged"]
     assert r["did_change_count"] >= 1
 
@@ -333,7 +316,7 @@ def test_nvim_receives_ember_completion(which: str, tmp_path: Path) -> None:
     # (the plugin completes what the popup menu can't insert: text after a space, newlines).
     assert r["omni_popup"], r
     assert any(w and item["text"].startswith(w) for w in r["omni_words"]), r["omni_words"]
-    assert r["lines_after_accept"] == (TYPED + item["text"]).split("\n")
+    assert r["lines_after_accept"] == (EDITOR_TYPED + item["text"]).split("\n")
 
     # Model loading was reported through $/progress.
     assert any(p["kind"] == "begin" for p in r["progress"]), r["progress"]

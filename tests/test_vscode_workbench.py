@@ -34,7 +34,7 @@ import pytest
 from lsprotocol import types
 from pytest_lsp.client import make_test_lsp_client
 
-from tests.conftest import EAGER, client_capabilities, plain, stop_daemons, wait_ready
+from tests.conftest import EAGER, EDITOR_SAMPLE, EDITOR_TYPED, client_capabilities, plain, stop_daemons, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 VSCODE = ROOT / "editors" / "vscode"
@@ -44,23 +44,6 @@ CODE_SERVER = WORKBENCH / "node_modules" / "code-server" / "out" / "node" / "ent
 SHOTS = ROOT / "bench" / "results" / "vscode"  # not committed: each run's screenshot
 LOAD_TIMEOUT_S = 300  # the daemon's cold start on CI's 2 cores, with the workbench and a browser beside it
 
-SAMPLE = '''\
-"""Small math helpers."""
-
-
-def fibonacci(n):
-    """Return the n-th Fibonacci number."""
-    if n < 2:
-        return n
-    return fibonacci(n - 1) + fibonacci(n - 2)
-
-
-def factorial(n):
-    """Return n factorial."""
-    if n < 2:
-        return 1
-'''
-TYPED = "    return n * "
 # What the extension sends: the settings below, as its connection() turns them into arguments.
 SETTINGS = {
     "ember.serverPath": "",  # set per run: the venv's ember
@@ -241,7 +224,7 @@ async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path
     for d in (home, profile / "User", extensions, folder):
         d.mkdir(parents=True)
     source = folder / "mathutil.py"
-    source.write_text(SAMPLE)
+    source.write_text(EDITOR_SAMPLE)
     (profile / "User" / "settings.json").write_text(json.dumps({**SETTINGS, "ember.serverPath": ember_executable()}, indent=1))
     env = code_server_env(runtime, home)
     install_extension(package_vsix(tmp_path), profile, extensions, env)
@@ -292,7 +275,7 @@ async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path
                 assert time.monotonic() < deadline, f"the model did not load within {LOAD_TIMEOUT_S} s; status bar: {statuses}"
                 await asyncio.sleep(0.25)
             assert statuses[-1] == "ember", statuses  # ready: the extension's plain item
-            await page.keyboard.type(TYPED, delay=40)
+            await page.keyboard.type(EDITOR_TYPED, delay=40)
             ghost: str | None = None
             deadline = time.monotonic() + 60
             while not ghost:
@@ -320,7 +303,7 @@ async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path
             # Tab accepts, Ctrl+S saves: the file holds the line and the suggestion.
             await page.keyboard.press("Tab")
             await page.keyboard.press("Control+S")
-            expected = SAMPLE + TYPED + ghost
+            expected = EDITOR_SAMPLE + EDITOR_TYPED + ghost
             deadline = time.monotonic() + 20
             while source.read_text() != expected and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
@@ -330,7 +313,7 @@ async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path
         stop_group(code_server)
 
     # What the file holds is what ember answers at that cursor (asked through the same daemon).
-    answer, stats = await ember_answer(command, env, source.as_uri(), SAMPLE + TYPED)
+    answer, stats = await ember_answer(command, env, source.as_uri(), EDITOR_SAMPLE + EDITOR_TYPED)
     assert answer == ghost, (answer, ghost, stats.get("last_for_uri"))
     logs = list((runtime / "ember").glob("*.log"))
     assert logs and "editor connected from uid" in logs[0].read_text(), logs
