@@ -188,6 +188,7 @@ def long_module(functions: int = 160) -> str:
     return "import math\n\n\n" + body + "def main() -> None:\n    "
 
 
+@pytest.mark.slow
 async def test_max_model_len_reaches_vllm_and_stats(long_context) -> None:
     current = await wait_ready(long_context)
     engine = current["engine"]

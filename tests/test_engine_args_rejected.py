@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import pytest
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
@@ -16,6 +17,7 @@ from tests.conftest import client_capabilities, wait_ready
 from tests.test_server import inline, open_doc
 
 
+@pytest.mark.slow
 async def test_unknown_engine_arg_is_reported_and_ember_serves_on_its_defaults(sample_text) -> None:
     client = LanguageClient("engine-args-rejected", "1")
     messages: list[types.ShowMessageParams] = []

@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 import psutil
+import pytest
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
@@ -30,6 +31,7 @@ def engine_core(pid: int) -> psutil.Process:
     raise AssertionError("no vLLM engine core process under the server")
 
 
+@pytest.mark.slow
 async def test_killed_engine_fails_fast_and_is_restarted(sample_text):
     port = free_port()
     client = LanguageClient("fault-test", "1")

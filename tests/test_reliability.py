@@ -659,6 +659,7 @@ def test_stale_versions_are_applied_in_order_and_logged(server):
 # ----------------------------------------------------------------------- with the model loaded
 
 
+@pytest.mark.slow
 def test_stdout_carries_only_lsp_messages(ready):
     """vLLM (and its engine process) log to stdout by default; over stdio that is the LSP stream."""
     uri = fresh_uri()
@@ -669,6 +670,7 @@ def test_stdout_carries_only_lsp_messages(ready):
     assert server.garbage == [], server.garbage[:5]
 
 
+@pytest.mark.slow
 def test_binary_content_and_lone_surrogates(ready):
     server = ready
     text = "data = b'\x00\x01\x02'\x00\n# \x7f\x1b[31m\x0c\u2028x\n" + "s = '\ud800 and \udfff'\nt = "
@@ -691,6 +693,7 @@ def test_binary_content_and_lone_surrogates(ready):
     assert "requests" in server.stats()
 
 
+@pytest.mark.slow
 def test_50mb_document_does_not_stall_the_server(ready):
     """A 50 MB document is kept in sync, but completions on it are empty (it is above
     maxDocumentBytes) with a warning; other documents keep being served promptly."""
@@ -738,6 +741,7 @@ def draw_position(data: st.DataObject, text: str) -> tuple[int, int]:
     return line, data.draw(st.integers(0, width + 2))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzz_random_sessions_keep_the_server_alive_and_in_sync(ready, data):
@@ -790,6 +794,7 @@ def fuzz_session(server: RawLsp, data: st.DataObject, uri: str, text: str, versi
 # ------------------------------------------------------------------------------------- shutdown
 
 
+@pytest.mark.slow
 def test_cancellation_storm_leaves_no_generation_running(ready):
     """Hundreds of completions, each cancelled right after it was sent, across many documents (so
     that superseding alone would not stop them): afterwards the engine runs nothing."""
@@ -825,6 +830,7 @@ def test_cancellation_storm_leaves_no_generation_running(ready):
     assert "error" not in reply, reply
 
 
+@pytest.mark.slow
 def test_shutdown_and_exit_stop_generation_and_leave_no_child_processes(ready):
     """Last in this module: it ends the shared server."""
     server = ready

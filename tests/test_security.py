@@ -121,6 +121,7 @@ def session(tcp: TcpServer) -> Iterator[TcpClient]:
 # ------------------------------------------------------------------------------ the listener
 
 
+@pytest.mark.slow
 def test_tcp_binds_loopback_by_default(tcp):
     assert tcp.address[0] == "127.0.0.1"
     listening = [c for c in psutil.Process(tcp.proc.pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
@@ -146,6 +147,7 @@ def test_unsafe_listeners_refuse_to_start(args, message):
     assert "ember listening" not in result.stderr
 
 
+@pytest.mark.slow
 def test_wrong_or_missing_token_is_refused_before_any_document_is_read(tcp):
     for token in ("not-the-token", None, TOKEN + "x", TOKEN[:-1]):
         client = TcpClient(tcp.address)
@@ -162,6 +164,7 @@ def test_wrong_or_missing_token_is_refused_before_any_document_is_read(tcp):
     assert "refused a connection: missing or wrong token" in tcp.log_text()
 
 
+@pytest.mark.slow
 def test_messages_before_initialize_close_a_token_protected_connection(tcp):
     for first in (
         {"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": did_open(DOC_URI, DOC_TEXT)},
@@ -181,6 +184,7 @@ def test_messages_before_initialize_close_a_token_protected_connection(tcp):
 # ---------------------------------------------------------------- an authorized editor session
 
 
+@pytest.mark.slow
 def test_only_loopback_and_unix_sockets_after_a_completion(tcp, session):
     """Nothing talks to a host other than this machine (the embedded engine runs here; vLLM's
     processes talk over loopback TCP and unix sockets)."""
@@ -196,6 +200,7 @@ def test_only_loopback_and_unix_sockets_after_a_completion(tcp, session):
     assert any(c.raddr and c.raddr.port == editor_port for pid, c in inet if pid == tcp.proc.pid)
 
 
+@pytest.mark.slow
 def test_token_is_never_logged(tcp, session):
     log = tcp.log_text()
     assert " DEBUG " in log and "refused a connection" in log  # the log is there, at DEBUG
@@ -203,6 +208,7 @@ def test_token_is_never_logged(tcp, session):
     assert TOKEN not in tcp.stderr_file.read_text(errors="replace")
 
 
+@pytest.mark.slow
 def test_logs_hold_no_source_text(tcp, session):
     # Messages that once reached the log whole: a non-2.0 message, a change to an unknown document.
     session.send({"jsonrpc": "1.0", "method": "textDocument/didOpen", "params": did_open(DOC_URI + "x", DOC_TEXT)})
@@ -236,6 +242,7 @@ def test_token_is_redacted_even_from_protocol_traces(tmp_path):
 # ------------------------------------------------------------------------------------ SIGTERM
 
 
+@pytest.mark.slow
 def test_sigterm_stops_generation_and_the_engine_within_5_s(tcp, session):
     """Last in this module: it ends the shared server."""
     session.notify("workspace/didChangeConfiguration", {"settings": {"maxTokens": 1000, "reuse": False}})

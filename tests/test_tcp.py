@@ -19,6 +19,9 @@ from tests.conftest import EAGER, client_capabilities, plain, stats, wait_ready
 SAME_URI = "file:///work/shared_name.py"
 
 
+pytestmark = pytest.mark.slow  # every test here talks to the module's own ember --tcp and its engine
+
+
 @pytest.fixture(scope="module")
 def tcp_server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("tcp") / "stderr.log"
