@@ -235,7 +235,9 @@ async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path
     code_server, port = start_code_server(folder, profile, extensions, env, tmp_path / "code-server.log")
     try:
         async with async_playwright() as pw:
-            browser = await pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+            browser = await pw.chromium.launch(
+                executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+            )
             page = await browser.new_page(viewport={"width": 1280, "height": 800})
             await page.goto(f"http://127.0.0.1:{port}/?folder={folder}")
             await page.wait_for_selector(".monaco-workbench", timeout=120_000)
