@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -54,6 +56,23 @@ def factorial(n):
         return 1
 '''
 EDITOR_TYPED = "    return n * "
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ember_executable() -> str:
+    """The ``ember`` console script an editor launches: beside this Python, else on PATH."""
+    exe = Path(sys.executable).parent / "ember"
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("ember")
+    assert found, f"ember console script not found beside {sys.executable} nor on PATH"
+    return found
 
 
 def client_capabilities() -> types.ClientCapabilities:
@@ -117,7 +136,11 @@ def stop_daemons(runtime_dir: Path) -> None:
     """Stops the daemons under ``runtime_dir`` (SIGTERM, then SIGKILL), found by their command line."""
     import psutil
 
-    found = [p for p in psutil.process_iter(["cmdline"]) if str(runtime_dir) in " ".join(p.info["cmdline"] or ()) and "daemon" in (p.info["cmdline"] or ())]
+    found = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(runtime_dir) in " ".join(p.info["cmdline"] or ()) and "daemon" in (p.info["cmdline"] or ())
+    ]
     for process in found:
         process.terminate()
     _, alive = psutil.wait_procs(found, timeout=10)

@@ -15,7 +15,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import tomllib
 import zipfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EAGER
+from tests.conftest import EAGER, ember_executable
 
 REPO = Path(__file__).resolve().parents[1]
 VSCODE = REPO / "editors" / "vscode"
@@ -40,15 +39,6 @@ def server_keys() -> set[str]:
     camel = {re.sub(r"_(\w)", lambda m: m.group(1).upper(), f.name) for f in dataclasses.fields(Settings)}
     return camel - BENCHMARK_SWITCHES | {"token"}
 
-
-
-def ember_executable() -> str:
-    exe = Path(sys.executable).parent / "ember"
-    if exe.exists():
-        return str(exe)
-    found = shutil.which("ember")
-    assert found, f"ember console script not found beside {sys.executable} nor on PATH"
-    return found
 
 
 def npm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

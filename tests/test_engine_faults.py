@@ -4,7 +4,6 @@ restarted, and completions work again. Also the Prometheus endpoint."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 import urllib.request
@@ -14,14 +13,8 @@ import pytest
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from tests.conftest import client_capabilities, wait_ready
+from tests.conftest import client_capabilities, free_port, wait_ready
 from tests.test_server import inline, open_doc
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def engine_core(pid: int) -> psutil.Process:

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EAGER, EDITOR_SAMPLE, EDITOR_TYPED
+from tests.conftest import EAGER, EDITOR_SAMPLE, EDITOR_TYPED, ember_executable, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 NVIM_DIR = REPO / "editors" / "nvim"
@@ -33,12 +32,7 @@ ATTACH_LUA = NVIM_DIR / "test" / "attach.lua"
 
 def ember_command() -> list[str]:
     """``ember --stdio`` (its daemon's engine would start in compiled mode: eager keeps CI in time)."""
-    exe = Path(sys.executable).parent / "ember"
-    if exe.exists():
-        return [str(exe), "--stdio", *EAGER]
-    found = shutil.which("ember")
-    assert found, f"ember console script not found beside {sys.executable} nor on PATH"
-    return [found, "--stdio", *EAGER]
+    return [ember_executable(), "--stdio", *EAGER]
 
 
 def nvim_version(binary: str) -> tuple[int, int, int]:
@@ -209,12 +203,6 @@ def test_nvim_plugin_attaches(which: str, tmp_path: Path) -> None:
     assert r["settings"] == {"ember": {"maxTokens": 8}}
     # No inline completion API before Neovim 0.12: plain completion through omnifunc.
     assert r["omnifunc"] == "v:lua.vim.lsp.omnifunc"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

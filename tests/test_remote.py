@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from engine.base import Chunk, Engine, EngineError, EngineNotReady, GenerationPa
 from engine.embedded import cpu_dtype
 from engine.remote import ApproxTokenizer, RemoteEngine, fetch_metrics, finished_requests, prefix_cache_hits
 from engine.routing import LoadPolicy, Replica, metric_sum, order, parse_prometheus, rank
+from tests.conftest import free_port
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,6 @@ BOOT_TIMEOUT_S = 300.0
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

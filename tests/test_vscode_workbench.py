@@ -17,15 +17,16 @@ Playwright's Python package); ``.ci/setup --test`` runs it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,17 @@ import pytest
 from lsprotocol import types
 from pytest_lsp.client import make_test_lsp_client
 
-from tests.conftest import EAGER, EDITOR_SAMPLE, EDITOR_TYPED, client_capabilities, plain, stop_daemons, wait_ready
+from tests.conftest import (
+    EAGER,
+    EDITOR_SAMPLE,
+    EDITOR_TYPED,
+    client_capabilities,
+    ember_executable,
+    free_port,
+    plain,
+    stop_daemons,
+    wait_ready,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VSCODE = ROOT / "editors" / "vscode"
@@ -44,9 +55,9 @@ CODE_SERVER = WORKBENCH / "node_modules" / "code-server" / "out" / "node" / "ent
 SHOTS = ROOT / "bench" / "results" / "vscode"  # not committed: each run's screenshot
 LOAD_TIMEOUT_S = 300  # the daemon's cold start on CI's 2 cores, with the workbench and a browser beside it
 
-# What the extension sends: the settings below, as its connection() turns them into arguments.
+# The profile's settings (ember.serverPath, the venv's ember, is added per run); the extension turns
+# the ember.* ones into ember's command line and initializationOptions.
 SETTINGS = {
-    "ember.serverPath": "",  # set per run: the venv's ember
     "ember.serverArgs": list(EAGER),  # the daemon's compiled default would add minutes on 2 cores
     "ember.maxTokens": 16,
     "ember.debounceMs": 0,
@@ -66,18 +77,6 @@ SETTINGS = {
     "files.autoSave": "off",
     "chat.disableAIFeatures": True,
 }
-
-
-def ember_executable() -> str:
-    exe = Path(sys.executable).parent / "ember"
-    assert exe.exists(), f"no ember console script beside {sys.executable}"
-    return str(exe)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def code_server_env(runtime: Path, home: Path) -> dict[str, str]:
@@ -170,44 +169,44 @@ def ghost_text_js() -> str:
     }"""
 
 
-async def ember_answer(command: list[str], env: dict[str, str], uri: str, text: str) -> tuple[str, dict[str, Any]]:
-    """What ember answers a client of its own at the end of ``text`` (the same daemon: the same
-    command and environment as the extension's), and ember/stats after it."""
+@contextlib.asynccontextmanager
+async def daemon_client(command: list[str], env: dict[str, str]) -> AsyncIterator[Any]:
+    """An initialized LSP client of the test's own on the extension's daemon: launched with the
+    extension's command line and environment, so the forwarder finds the same daemon."""
     client = make_test_lsp_client()
     await client.start_io(command[0], *command[1:], env=env)
     try:
         await client.initialize_session(
             types.InitializeParams(capabilities=client_capabilities(), initialization_options={"maxTokens": 16, "debounceMs": 0})
         )
-        await wait_ready(client)
-        client.text_document_did_open(
-            types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=uri, language_id="python", version=1, text=text))
-        )
-        lines = text.split("\n")
-        position = types.Position(line=len(lines) - 1, character=len(lines[-1]))
-        result = await client.text_document_inline_completion_async(
-            types.InlineCompletionParams(
-                text_document=types.TextDocumentIdentifier(uri=uri),
-                position=position,
-                context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked),
-            )
-        )
-        items = result.items if isinstance(result, types.InlineCompletionList) else (result or [])
-        answer = items[0].insert_text if items else ""
-        stats = plain(await client.protocol.send_request_async("ember/stats", {"uri": uri}))
-        return (answer if isinstance(answer, str) else answer.value), stats
+        yield client
     finally:
         await client.shutdown_session()
 
 
 async def daemon_stats(command: list[str], env: dict[str, str]) -> dict[str, Any]:
-    client = make_test_lsp_client()
-    await client.start_io(command[0], *command[1:], env=env)
-    try:
-        await client.initialize_session(types.InitializeParams(capabilities=client_capabilities()))
+    async with daemon_client(command, env) as client:
         return plain(await client.protocol.send_request_async("ember/stats", {}))
-    finally:
-        await client.shutdown_session()
+
+
+async def ember_answer(command: list[str], env: dict[str, str], uri: str, text: str) -> str:
+    """What ember answers that client at the end of ``text``."""
+    async with daemon_client(command, env) as client:
+        await wait_ready(client)
+        client.text_document_did_open(
+            types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=uri, language_id="python", version=1, text=text))
+        )
+        lines = text.split("\n")
+        result = await client.text_document_inline_completion_async(
+            types.InlineCompletionParams(
+                text_document=types.TextDocumentIdentifier(uri=uri),
+                position=types.Position(line=len(lines) - 1, character=len(lines[-1])),
+                context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked),
+            )
+        )
+        items = result.items if isinstance(result, types.InlineCompletionList) else (result or [])
+        answer = items[0].insert_text if items else ""
+        return answer if isinstance(answer, str) else answer.value
 
 
 @pytest.mark.slow
@@ -220,104 +219,111 @@ async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path
         "code-server is missing: run `bash editors/install-test-deps.sh`"
     )
     runtime = Path(tempfile.mkdtemp(prefix="ev-"))  # the daemon's socket dir (a short path)
-    home, profile, extensions, folder = (tmp_path / name for name in ("home", "profile", "extensions", "project"))
-    for d in (home, profile / "User", extensions, folder):
-        d.mkdir(parents=True)
-    source = folder / "mathutil.py"
-    source.write_text(EDITOR_SAMPLE)
-    (profile / "User" / "settings.json").write_text(json.dumps({**SETTINGS, "ember.serverPath": ember_executable()}, indent=1))
-    env = code_server_env(runtime, home)
-    install_extension(package_vsix(tmp_path), profile, extensions, env)
-    shots = SHOTS / time.strftime("%Y%m%d-%H%M%S")
-    shots.mkdir(parents=True, exist_ok=True)
-    print(f"screenshots: {shots}")
-
-    code_server, port = start_code_server(folder, profile, extensions, env, tmp_path / "code-server.log")
     try:
-        async with async_playwright() as pw:
-            browser = await pw.chromium.launch(
-                executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
-            )
-            page = await browser.new_page(viewport={"width": 1280, "height": 800})
-            await page.goto(f"http://127.0.0.1:{port}/?folder={folder}")
-            await page.wait_for_selector(".monaco-workbench", timeout=120_000)
+        home, profile, extensions, folder = (tmp_path / name for name in ("home", "profile", "extensions", "project"))
+        for d in (home, profile / "User", extensions, folder):
+            d.mkdir(parents=True)
+        source = folder / "mathutil.py"
+        source.write_text(EDITOR_SAMPLE)
+        (profile / "User" / "settings.json").write_text(
+            json.dumps({**SETTINGS, "ember.serverPath": ember_executable()}, indent=1)
+        )
+        env = code_server_env(runtime, home)
+        install_extension(package_vsix(tmp_path), profile, extensions, env)
+        shots = SHOTS / time.strftime("%Y%m%d-%H%M%S")
+        shots.mkdir(parents=True, exist_ok=True)
+        print(f"screenshots: {shots}")
 
-            # Open the file from the Explorer, put the cursor at its end and type a line.
-            await page.wait_for_selector(".statusbar", timeout=60_000)
-            try:
-                await page.get_by_role("treeitem", name="mathutil.py").first.click(timeout=60_000)
-                editor = page.locator(".editor-instance .monaco-editor .view-lines").first
-                await editor.wait_for(timeout=60_000)
-            except Exception:
-                await page.screenshot(path=str(shots / "failed-to-open.png"))
-                raise
-            await editor.click()
-            await page.keyboard.press("Control+End")
+        code_server, port = start_code_server(folder, profile, extensions, env, tmp_path / "code-server.log")
+        try:
+            async with async_playwright() as pw:
+                browser = await pw.chromium.launch(
+                    executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+                )
+                page = await browser.new_page(viewport={"width": 1280, "height": 800})
+                await page.goto(f"http://127.0.0.1:{port}/?folder={folder}")
+                await page.wait_for_selector(".monaco-workbench", timeout=120_000)
 
-            # While the model loads, the status bar says so ($/progress); once it is ready, a typed line
-            # gets ghost text.
-            statuses: list[str] = []
-            opened = time.monotonic()
-            deadline = opened + LOAD_TIMEOUT_S
-            while not any("loading" in t for t in statuses) or "loading" in statuses[-1]:
-                texts = [t.strip() for t in await page.locator(".statusbar-item").all_inner_texts() if "ember" in t]
-                if texts and (not statuses or statuses[-1] != texts[0]):
-                    statuses.append(texts[0])
-                    if "loading" in texts[0]:
-                        await page.screenshot(path=str(shots / "loading.png"))
-                waited = time.monotonic() - opened
-                if waited > 60 and not statuses:
-                    await page.screenshot(path=str(shots / "no-extension.png"))
-                    pytest.fail("no ember item in the status bar after 60 s: the extension is not installed or did not activate")
-                if waited > 60 and not launched_ember(code_server) and not any("loading" in t for t in statuses):
-                    await page.screenshot(path=str(shots / "no-ember.png"))
-                    pytest.fail(
-                        f"the extension launched no `ember --stdio` within 60 s (ember.serverPath?); status bar: {statuses}"
+                # Open the file from the Explorer, put the cursor at its end and type a line.
+                await page.wait_for_selector(".statusbar", timeout=60_000)
+                try:
+                    await page.get_by_role("treeitem", name="mathutil.py").first.click(timeout=60_000)
+                    editor = page.locator(".editor-instance .monaco-editor .view-lines").first
+                    await editor.wait_for(timeout=60_000)
+                except Exception:
+                    await page.screenshot(path=str(shots / "failed-to-open.png"))
+                    raise
+                await editor.click()
+                await page.keyboard.press("Control+End")
+
+                # While the model loads, the status bar says so ($/progress); once it is ready, a typed line
+                # gets ghost text.
+                statuses: list[str] = []
+                opened = time.monotonic()
+                deadline = opened + LOAD_TIMEOUT_S
+                while not any("loading" in t for t in statuses) or "loading" in statuses[-1]:
+                    texts = [t.strip() for t in await page.locator(".statusbar-item").all_inner_texts() if "ember" in t]
+                    if texts and (not statuses or statuses[-1] != texts[0]):
+                        statuses.append(texts[0])
+                        if "loading" in texts[0]:
+                            await page.screenshot(path=str(shots / "loading.png"))
+                    waited = time.monotonic() - opened
+                    if waited > 60 and not statuses:
+                        await page.screenshot(path=str(shots / "no-extension.png"))
+                        pytest.fail(
+                            "no ember item in the status bar after 60 s: the extension is not installed or did not activate"
+                        )
+                    if waited > 60 and not launched_ember(code_server) and not any("loading" in t for t in statuses):
+                        await page.screenshot(path=str(shots / "no-ember.png"))
+                        pytest.fail(
+                            f"the extension launched no `ember --stdio` within 60 s (ember.serverPath?); status bar: {statuses}"
+                        )
+                    assert time.monotonic() < deadline, (
+                        f"the model did not load within {LOAD_TIMEOUT_S} s; status bar: {statuses}"
                     )
-                assert time.monotonic() < deadline, f"the model did not load within {LOAD_TIMEOUT_S} s; status bar: {statuses}"
-                await asyncio.sleep(0.25)
-            assert statuses[-1] == "ember", statuses  # ready: the extension's plain item
-            await page.keyboard.type(EDITOR_TYPED, delay=40)
-            ghost: str | None = None
-            deadline = time.monotonic() + 60
-            while not ghost:
-                assert time.monotonic() < deadline, "no ghost text within 60 s of typing"
-                await asyncio.sleep(0.25)
-                ghost = await page.evaluate(ghost_text_js())
-            await page.screenshot(path=str(shots / "ghost-text.png"))
-            assert ghost.strip(), ghost
+                    await asyncio.sleep(0.25)
+                assert statuses[-1] == "ember", statuses  # ready: the extension's plain item
+                await page.keyboard.type(EDITOR_TYPED, delay=40)
+                ghost: str | None = None
+                deadline = time.monotonic() + 60
+                while not ghost:
+                    assert time.monotonic() < deadline, "no ghost text within 60 s of typing"
+                    await asyncio.sleep(0.25)
+                    ghost = await page.evaluate(ghost_text_js())
+                await page.screenshot(path=str(shots / "ghost-text.png"))
+                assert ghost.strip(), ghost
 
-            command = launched_ember(code_server)
-            assert command and command[command.index("--stdio") :] and "--max-tokens" in command, command
-            before = await daemon_stats(command, env)
+                command = launched_ember(code_server)
+                assert "--stdio" in command and "--max-tokens" in command, command
+                before = await daemon_stats(command, env)
 
-            # Typed through: the next character of the suggestion keeps it, with no new generation.
-            await page.keyboard.type(ghost[0], delay=40)
-            await asyncio.sleep(1.0)
-            rest = await page.evaluate(ghost_text_js())
-            assert rest == ghost[1:], (ghost, rest)
-            after = await daemon_stats(command, env)
-            # VS Code asked again, and ember answered from the suggestion it had: nothing went to the engine.
-            assert after["requests"] == before["requests"] + 1, (before, after)
-            assert after["last"]["cache_hit"] and after["last"]["prompt_tokens"] == 0, after["last"]
-            assert after["last"]["outcome"] == "ok" and after["last"]["streamed_tokens"] == 0, after["last"]
+                # Typed through: the next character of the suggestion keeps it, with no new generation.
+                await page.keyboard.type(ghost[0], delay=40)
+                await asyncio.sleep(1.0)
+                rest = await page.evaluate(ghost_text_js())
+                assert rest == ghost[1:], (ghost, rest)
+                after = await daemon_stats(command, env)
+                # VS Code asked again, and ember answered from the suggestion it had: nothing went to the engine.
+                assert after["requests"] == before["requests"] + 1, (before, after)
+                assert after["last"]["cache_hit"] and after["last"]["prompt_tokens"] == 0, after["last"]
+                assert after["last"]["outcome"] == "ok" and after["last"]["streamed_tokens"] == 0, after["last"]
 
-            # Tab accepts, Ctrl+S saves: the file holds the line and the suggestion.
-            await page.keyboard.press("Tab")
-            await page.keyboard.press("Control+S")
-            expected = EDITOR_SAMPLE + EDITOR_TYPED + ghost
-            deadline = time.monotonic() + 20
-            while source.read_text() != expected and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            assert source.read_text() == expected, (source.read_text()[-200:], ghost)
-            await browser.close()
+                # Tab accepts, Ctrl+S saves: the file holds the line and the suggestion.
+                await page.keyboard.press("Tab")
+                await page.keyboard.press("Control+S")
+                expected = EDITOR_SAMPLE + EDITOR_TYPED + ghost
+                deadline = time.monotonic() + 20
+                while source.read_text() != expected and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                assert source.read_text() == expected, (source.read_text()[-200:], ghost)
+                await browser.close()
+        finally:
+            stop_group(code_server)
+
+        # What the file holds is what ember answers at that cursor (asked through the same daemon).
+        assert await ember_answer(command, env, source.as_uri(), EDITOR_SAMPLE + EDITOR_TYPED) == ghost
+        logs = list((runtime / "ember").glob("*.log"))
+        assert logs and "editor connected from uid" in logs[0].read_text(), logs
     finally:
-        stop_group(code_server)
-
-    # What the file holds is what ember answers at that cursor (asked through the same daemon).
-    answer, stats = await ember_answer(command, env, source.as_uri(), EDITOR_SAMPLE + EDITOR_TYPED)
-    assert answer == ghost, (answer, ghost, stats.get("last_for_uri"))
-    logs = list((runtime / "ember").glob("*.log"))
-    assert logs and "editor connected from uid" in logs[0].read_text(), logs
-    stop_daemons(runtime)
-    shutil.rmtree(runtime, ignore_errors=True)
+        stop_daemons(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -67,6 +67,10 @@ function num(v: unknown, integer: boolean): number | undefined {
   return integer ? Math.trunc(n) : n;
 }
 
+function oneOf(v: string, choices: string[]): string {
+  return choices.includes(v) ? v : '';
+}
+
 function plainObject(v: unknown): Record<string, unknown> {
   return v !== null && typeof v === 'object' && !Array.isArray(v) ? { ...(v as Record<string, unknown>) } : {};
 }
@@ -99,7 +103,7 @@ export function readSettings(get: (key: string) => unknown): EmberSettings {
     suffixTokens: num(get('suffixTokens'), true),
     crossFileTokens: num(get('crossFileTokens'), true),
     timeoutMs: num(get('timeoutMs'), true),
-    crossFile: CROSS_FILE_MODES.includes(str(get('crossFile'), '')) ? str(get('crossFile'), '') : '',
+    crossFile: oneOf(str(get('crossFile'), ''), CROSS_FILE_MODES),
     engineArgs: plainObject(get('engineArgs')),
     suggestWidget: get('suggestWidget') === true,
   };
