@@ -15,8 +15,9 @@ worst case for memory), so growth after the first 10% of requests is growth per 
 Checked per request: an answer arrives (no error, no timeout). Sampled every second: the resident
 memory of the ember process, and the proportional set size (PSS, shared pages split between
 processes so nothing is counted twice) of ember plus all its child processes (vLLM's engine core).
-Prints a table and writes bench/results/load.json. tests/test_load.py runs the same function and
-asserts the bounds.
+With ``--engine-url URL`` ember completes through that OpenAI-compatible server instead (a server
+that answers at once leaves only ember's own work and memory to measure). Prints a table and writes
+bench/results/load.json. tests/test_load.py runs the same function and asserts the bounds.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class LoadConfig:
     # grow with them (the completion cache is keyed by a hash and holds answers), the engine's work does.
     context_tokens: int | None = None
     suffix_tokens: int | None = None
+    # An OpenAI-compatible server ember completes through (``--engine-url``); None: the bundled model
+    # embedded. A server that answers at once measures ember's own process without the engine's time.
+    engine_url: str | None = None
 
 
 @dataclass
@@ -280,12 +284,13 @@ async def sample_until(stop: asyncio.Event, pid: int, report: LoadReport, starte
             pass
 
 
-def start_server(log_path: Path, max_tokens: int) -> tuple[subprocess.Popen[bytes], tuple[str, int]]:
+def start_server(log_path: Path, max_tokens: int, engine_url: str | None = None) -> tuple[subprocess.Popen[bytes], tuple[str, int]]:
     """``ember --tcp 127.0.0.1:0``; its stderr goes to a file (an unread pipe would block vLLM's logs)."""
+    # Compiled mode would add 40-120 s of start-up to the embedded engine.
+    engine = ["--engine-url", engine_url] if engine_url else ["--model", "bundled", "--engine-arg", "enforce_eager=true"]
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "lsp", "--tcp", "127.0.0.1:0", "--model", "bundled", "--max-tokens", str(max_tokens), "--log-level", "WARNING",
-             "--engine-arg", "enforce_eager=true"],  # compiled mode would add 40-120 s of start-up
+            [sys.executable, "-m", "lsp", "--tcp", "127.0.0.1:0", *engine, "--max-tokens", str(max_tokens), "--log-level", "WARNING"],
             stderr=log,
             stdout=subprocess.DEVNULL,
             cwd=ROOT,
@@ -302,31 +307,43 @@ def start_server(log_path: Path, max_tokens: int) -> tuple[subprocess.Popen[byte
 
 async def run_load(config: LoadConfig, log_path: Path) -> LoadReport:
     """Starts the server, waits for the engine, runs all sessions at once, stops the server."""
-    report = LoadReport(config)
-    proc, address = start_server(log_path, config.max_tokens)
+    proc, address = start_server(log_path, config.max_tokens, config.engine_url)
     try:
-        probe = await connect(address, {})
-        report.load_s = await wait_ready(probe)
-        started = time.perf_counter()
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_until(stop, proc.pid, report, started))
-        await asyncio.gather(*(run_session(address, tasks, config, report) for tasks in make_tasks(config)))
-        report.run_s = time.perf_counter() - started
-        stop.set()
-        await sampler
-        report.memory.append(sample_memory(proc.pid, report.run_s, report.answered))
-        stats = await probe.protocol.send_request_async("ember/stats", {})
-        report.server_outcomes = dict(stats.outcomes._asdict()) if hasattr(stats.outcomes, "_asdict") else dict(stats.outcomes)
-        for line in getattr(stats.process, "growth", None) or ():
-            print("  grew:", line)
-        await probe.shutdown_async(None)
-        probe.exit(None)
+        return await load_server(config, address, proc.pid)
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+async def load_server(config: LoadConfig, address: tuple[str, int], pid: int) -> LoadReport:
+    """Runs all sessions at once against the ``ember --tcp`` at ``address`` (process ``pid``, whose
+    memory is sampled), once its engine is ready; every session sets ``config``'s budgets."""
+    report = LoadReport(config)
+    probe = await connect(address, {})
+    try:
+        report.load_s = await wait_ready(probe)
+        started = time.perf_counter()
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_until(stop, pid, report, started))
+        await asyncio.gather(*(run_session(address, tasks, config, report) for tasks in make_tasks(config)))
+        report.run_s = time.perf_counter() - started
+        stop.set()
+        await sampler
+        report.memory.append(sample_memory(pid, report.run_s, report.answered))
+        stats = await probe.protocol.send_request_async("ember/stats", {})
+        report.server_outcomes = dict(stats.outcomes._asdict()) if hasattr(stats.outcomes, "_asdict") else dict(stats.outcomes)
+        for line in getattr(stats.process, "growth", None) or ():
+            print("  grew:", line)
+    finally:
+        await probe.shutdown_async(None)
+        probe.exit(None)
+        try:
+            await probe.stop()
+        except ConnectionError:
+            pass
     return report
 
 
@@ -369,10 +386,11 @@ async def main() -> int:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--context-tokens", type=int, help="contextTokens of every session (default: the server's)")
     parser.add_argument("--suffix-tokens", type=int, help="suffixTokens of every session (default: the server's)")
+    parser.add_argument("--engine-url", help="an OpenAI-compatible server to complete through (default: the bundled model embedded)")
     parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
     args = parser.parse_args()
     config = LoadConfig(args.sessions, args.documents, args.requests, args.max_tokens, args.seed,
-                        context_tokens=args.context_tokens, suffix_tokens=args.suffix_tokens)
+                        context_tokens=args.context_tokens, suffix_tokens=args.suffix_tokens, engine_url=args.engine_url)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = ROOT / "bench" / ".cache" / "load-server.log"  # vLLM logs a lot: not a result
     log_path.parent.mkdir(parents=True, exist_ok=True)

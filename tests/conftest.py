@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +134,66 @@ async def client(lsp_client: LanguageClient):
     lsp_client.initialize_result = result  # type: ignore[attr-defined]
     yield
     await lsp_client.shutdown_session()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_server_starts_with_the_session(request: pytest.FixtureRequest) -> None:
+    """When a selected test uses the session's server (``client``), it starts before the first test:
+    its engine spends ~20 s loading, mostly importing on one core, which the light tests before its
+    first user overlap instead of waiting for. (Started this early, ``tcp_ember`` only overlapped
+    tests that start engines of their own: no faster.)"""
+    if any("client" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("client")
+
+
+@pytest.fixture(scope="session")
+def vsix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The VS Code extension built once, as the README tells users to build it (``npm run
+    package``), copied out of the source tree."""
+    vscode = Path(__file__).resolve().parents[1] / "editors" / "vscode"
+    (vscode / "ember.vsix").unlink(missing_ok=True)
+    npm = shutil.which("npm")
+    assert npm, "npm is not on PATH"
+    r = subprocess.run([npm, "run", "package"], cwd=vscode, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and (vscode / "ember.vsix").is_file(), r.stdout + r.stderr
+    return Path(shutil.copy(vscode / "ember.vsix", tmp_path_factory.mktemp("vsix") / "ember.vsix"))
+
+
+@dataclass(frozen=True)
+class TcpServer:
+    address: tuple[str, int]
+    pid: int
+
+
+@pytest.fixture(scope="session")
+def tcp_ember(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TcpServer]:
+    """One ``ember --tcp`` on 127.0.0.1 for the session (its engine loads once): the TCP tests'
+    editors and the load test's sessions connect to it."""
+    log_path = tmp_path_factory.mktemp("tcp") / "stderr.log"
+    # stderr goes to a file: vLLM logs a lot, and an unread pipe would block the server.
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lsp", "--tcp", "0", "--max-tokens", "16", *EAGER], stderr=log, stdout=subprocess.DEVNULL
+        )
+    deadline = time.monotonic() + 120
+    address = None
+    while time.monotonic() < deadline and address is None and proc.poll() is None:
+        match = re.search(r"ember listening on \('([\d.]+)', (\d+)\)", log_path.read_text())
+        if match:
+            address = (match.group(1), int(match.group(2)))
+        time.sleep(0.2)
+    try:
+        assert address is not None, "ember --tcp did not report its address: " + log_path.read_text()[-2000:]
+        yield TcpServer(address, proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def tcp_server(tcp_ember: TcpServer) -> tuple[str, int]:
+    """The session's ``ember --tcp`` address (host, port)."""
+    return tcp_ember.address
 
 
 def stop_daemons(runtime_dir: Path) -> None:

@@ -4,45 +4,18 @@ documents and settings apart while sharing one embedded engine."""
 from __future__ import annotations
 
 import asyncio
-import re
-import subprocess
-import sys
-import time
 
 import pytest
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pygls.lsp.client import LanguageClient
 
-from tests.conftest import EAGER, client_capabilities, plain, stats, wait_ready
+from tests.conftest import client_capabilities, plain, stats, wait_ready
 
 SAME_URI = "file:///work/shared_name.py"
 
 
-pytestmark = pytest.mark.slow  # every test here talks to the module's own ember --tcp and its engine
-
-
-@pytest.fixture(scope="module")
-def tcp_server(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("tcp") / "stderr.log"
-    # stderr goes to a file: vLLM logs a lot, and an unread pipe would block the server.
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lsp", "--tcp", "0", "--max-tokens", "16", *EAGER], stderr=log, stdout=subprocess.DEVNULL
-        )
-    deadline = time.monotonic() + 120
-    address = None
-    while time.monotonic() < deadline and address is None and proc.poll() is None:
-        match = re.search(r"ember listening on \('([\d.]+)', (\d+)\)", log_path.read_text())
-        if match:
-            address = (match.group(1), int(match.group(2)))
-        time.sleep(0.2)
-    try:
-        assert address is not None, "ember --tcp did not report its address: " + log_path.read_text()[-2000:]
-        yield address
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+pytestmark = pytest.mark.slow  # every test here talks to the session's ember --tcp (conftest.tcp_server) and its engine
 
 
 async def connect(address, options=None) -> LanguageClient:

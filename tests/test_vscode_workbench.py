@@ -94,15 +94,6 @@ def code_server_env(runtime: Path, home: Path) -> dict[str, str]:
     return env
 
 
-def package_vsix(out_dir: Path) -> Path:
-    """The ``.vsix`` built as the README tells users to build it (``npm run package``)."""
-    npm = shutil.which("npm")
-    assert npm, "npm is not on PATH"
-    r = subprocess.run([npm, "run", "package"], cwd=VSCODE, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and (VSCODE / "ember.vsix").is_file(), r.stdout + r.stderr
-    return Path(shutil.copy(VSCODE / "ember.vsix", out_dir / "ember.vsix"))
-
-
 def install_extension(vsix: Path, profile: Path, extensions: Path, env: dict[str, str]) -> None:
     r = subprocess.run(
         [str(NODE_BIN / "node"), str(CODE_SERVER), "--user-data-dir", str(profile), "--extensions-dir", str(extensions),
@@ -210,7 +201,7 @@ async def ember_answer(command: list[str], env: dict[str, str], uri: str, text: 
 
 
 @pytest.mark.slow
-async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path) -> None:
+async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path, vsix: Path) -> None:
     from playwright.async_api import async_playwright
 
     chromium = shutil.which("chromium")
@@ -229,7 +220,7 @@ async def test_vscode_workbench_shows_ghost_text_and_tab_saves_it(tmp_path: Path
             json.dumps({**SETTINGS, "ember.serverPath": ember_executable()}, indent=1)
         )
         env = code_server_env(runtime, home)
-        install_extension(package_vsix(tmp_path), profile, extensions, env)
+        install_extension(vsix, profile, extensions, env)
         shots = SHOTS / time.strftime("%Y%m%d-%H%M%S")
         shots.mkdir(parents=True, exist_ok=True)
         print(f"screenshots: {shots}")
