@@ -137,13 +137,14 @@ async def client(lsp_client: LanguageClient):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def session_server_starts_with_the_session(request: pytest.FixtureRequest) -> None:
-    """When a selected test uses the session's server (``client``), it starts before the first test:
-    its engine spends ~20 s loading, mostly importing on one core, which the light tests before its
-    first user overlap instead of waiting for. (Started this early, ``tcp_ember`` only overlapped
-    tests that start engines of their own: no faster.)"""
-    if any("client" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("client")
+def session_servers_start_with_the_session(request: pytest.FixtureRequest) -> None:
+    """The session's servers (``client``'s over stdio, ``tcp_ember``) start before the first test when
+    a selected test uses them: each engine spends ~20 s loading, mostly importing on one core, which the
+    tests before their first user overlap instead of waiting for (the suite: 739 s with both started
+    here, 763 s with ``tcp_ember`` started by its first user, 2 cores)."""
+    for name in ("client", "tcp_ember"):
+        if any(name in item.fixturenames for item in request.session.items):
+            request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")
