@@ -285,16 +285,17 @@ async def sample_until(stop: asyncio.Event, pid: int, report: LoadReport, starte
 
 
 def start_server(log_path: Path, max_tokens: int, engine_url: str | None = None) -> tuple[subprocess.Popen[bytes], tuple[str, int]]:
-    """``ember --tcp 127.0.0.1:0``; its stderr goes to a file (an unread pipe would block vLLM's logs)."""
+    """``ember --tcp 127.0.0.1:0`` on the bundled model (or ``engine_url``)."""
     # Compiled mode would add 40-120 s of start-up to the embedded engine.
     engine = ["--engine-url", engine_url] if engine_url else ["--model", "bundled", "--engine-arg", "enforce_eager=true"]
+    return start_tcp(["--tcp", "127.0.0.1:0", *engine, "--max-tokens", str(max_tokens), "--log-level", "WARNING"], log_path)
+
+
+def start_tcp(args: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], tuple[str, int]]:
+    """``python -m lsp *args`` (an ``--tcp`` server) and the address it reports listening on; its
+    stderr goes to ``log_path`` (an unread pipe would block vLLM's logs)."""
     with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lsp", "--tcp", "127.0.0.1:0", *engine, "--max-tokens", str(max_tokens), "--log-level", "WARNING"],
-            stderr=log,
-            stdout=subprocess.DEVNULL,
-            cwd=ROOT,
-        )
+        proc = subprocess.Popen([sys.executable, "-m", "lsp", *args], stderr=log, stdout=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         match = re.search(r"ember listening on \('([\d.]+)', (\d+)\)", log_path.read_text())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -170,21 +169,11 @@ class TcpServer:
 def tcp_ember(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TcpServer]:
     """One ``ember --tcp`` on 127.0.0.1 for the session (its engine loads once): the TCP tests'
     editors and the load test's sessions connect to it."""
-    log_path = tmp_path_factory.mktemp("tcp") / "stderr.log"
-    # stderr goes to a file: vLLM logs a lot, and an unread pipe would block the server.
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lsp", "--tcp", "0", "--max-tokens", "16", *EAGER], stderr=log, stdout=subprocess.DEVNULL
-        )
-    deadline = time.monotonic() + 120
-    address = None
-    while time.monotonic() < deadline and address is None and proc.poll() is None:
-        match = re.search(r"ember listening on \('([\d.]+)', (\d+)\)", log_path.read_text())
-        if match:
-            address = (match.group(1), int(match.group(2)))
-        time.sleep(0.2)
+    from bench.load import start_tcp
+
+    # `--tcp 0`: the port alone, so tests/test_tcp.py sees the default host.
+    proc, address = start_tcp(["--tcp", "0", "--max-tokens", "16", *EAGER], tmp_path_factory.mktemp("tcp") / "stderr.log")
     try:
-        assert address is not None, "ember --tcp did not report its address: " + log_path.read_text()[-2000:]
         yield TcpServer(address, proc.pid)
     finally:
         proc.terminate()
