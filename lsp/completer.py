@@ -189,6 +189,7 @@ class Completer:
         site = site_at(doc, offset, cross_file)
         metrics.mode = site.mode
         metrics.cross_file = [snippet.path for snippet in cross_file.snippets]
+        metrics.cross_file_why = [f"{snippet.path}: {reason}" for snippet in cross_file.snippets for reason in snippet.reasons]
         chosen = strategy(settings.prompt_strategy, settings.postprocess)
         prompt = self._prompt(engine, site, settings, chosen)
         cache_key = _cache_key(prompt, site.mode, settings, site.suffix)

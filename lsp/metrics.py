@@ -26,6 +26,8 @@ class RequestMetrics:
     outcome: str = "ok"  # ok | empty | cancelled | superseded | error | loading | rate_limited
     uri: str = ""  # the document, so that a client with several requests in flight finds its own
     cross_file: list[str] = field(default_factory=list)  # the paths of the other files in the prompt
+    # What of them is in the prompt and why it ranked there: "path: name: reason", best first per file.
+    cross_file_why: list[str] = field(default_factory=list)
 
     def finish(self, started: float) -> RequestMetrics:
         self.latency_ms = (time.perf_counter() - started) * 1000

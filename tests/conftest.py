@@ -137,11 +137,12 @@ async def client(lsp_client: LanguageClient):
 
 @pytest.fixture(scope="session", autouse=True)
 def session_servers_start_with_the_session(request: pytest.FixtureRequest) -> None:
-    """The session's servers (``client``'s over stdio, ``tcp_ember``) start before the first test when
-    a selected test uses them: each engine spends ~20 s loading, mostly importing on one core, which the
-    tests before their first user overlap instead of waiting for (the suite: 739 s with both started
-    here, 763 s with ``tcp_ember`` started by its first user, 2 cores)."""
-    for name in ("client", "tcp_ember"):
+    """The session's servers (``client``'s over stdio, ``tcp_ember``, ``token_tcp_ember``) start
+    before the first test when a selected test uses them: each engine spends ~20 s loading, mostly
+    importing on one core, which the tests before their first user overlap instead of waiting for
+    (the suite: 739 s with the first two started here, 763 s with ``tcp_ember`` started by its first
+    user, 2 cores)."""
+    for name in ("client", "tcp_ember", "token_tcp_ember"):
         if any(name in item.fixturenames for item in request.session.items):
             request.getfixturevalue(name)
 
@@ -178,6 +179,23 @@ def tcp_ember(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TcpServer]:
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def token_tcp_ember(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """tests/test_security.py's ``ember --tcp 0 --token T --log-level DEBUG`` (a
+    ``tests.test_security.TcpServer``), started with the session; its last test ends it with SIGTERM."""
+    from tests.test_security import TOKEN
+    from tests.test_security import TcpServer as SecurityServer
+
+    server = SecurityServer(
+        tmp_path_factory.mktemp("security"),
+        "--tcp", "0", "--token", TOKEN, "--log-level", "DEBUG", "--max-tokens", "8", *EAGER,
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 @pytest.fixture(scope="session")

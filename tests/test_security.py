@@ -3,7 +3,8 @@ is read), the logs (no token, no source text), the network (nothing but loopback
 and SIGTERM (generation and engine stop, no process left behind).
 
 One ``ember --tcp 0 --token T --log-level DEBUG`` server with the embedded engine is shared by the
-module; SIGTERM ends it in the last test. Refusals to start need no engine and run on their own.
+module (started with the session: conftest ``token_tcp_ember``); SIGTERM ends it in the last test.
+Refusals to start need no engine and run on their own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import EAGER
 from tests.test_reliability import ROOT, SLOW_S, JsonRpcClient, RawLsp, ServerProcess, assert_error, items, wait_gone
 
 TOKEN = "ember-test-token-" + secrets.token_hex(12)
@@ -90,15 +90,9 @@ def is_loopback(ip: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tcp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TcpServer]:
-    server = TcpServer(
-        tmp_path_factory.mktemp("security"),
-        "--tcp", "0", "--token", TOKEN, "--log-level", "DEBUG", "--max-tokens", "8", *EAGER,
-    )
-    try:
-        yield server
-    finally:
-        server.kill()
+def tcp(token_tcp_ember: TcpServer) -> TcpServer:
+    """The module's server: ``tests/conftest.py``'s ``token_tcp_ember``, started with the session."""
+    return token_tcp_ember
 
 
 @pytest.fixture(scope="module")

@@ -168,12 +168,15 @@ async def listed(client, files: int) -> dict:
     raise AssertionError(f"the workspace was not listed: {current['workspace']}")
 
 
-async def cross_file_of(client, uri, text) -> list[str]:
-    """Completes at the end of ``text`` (opened as ``uri``); the other files the prompt used."""
+async def cross_file_of(client, uri, text, why: list[str] | None = None) -> list[str]:
+    """Completes at the end of ``text`` (opened as ``uri``); the other files the prompt used (and
+    into ``why``, what of them and why: ``ember/stats`` ``cross_file_why``)."""
     client.text_document_did_open(types.DidOpenTextDocumentParams(types.TextDocumentItem(uri, "python", 1, text)))
     await inline(client, uri, text.count("\n"), len(text.rsplit("\n", 1)[1]))
     last = plain(await client.protocol.send_request_async("ember/stats", {"uri": uri}))["last_for_uri"]
     client.text_document_did_close(types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri)))
+    if why is not None:
+        why.extend(last["cross_file_why"])
     return last["cross_file"]
 
 
@@ -193,7 +196,10 @@ async def test_two_sessions_with_different_roots_see_only_their_own_files(tcp_se
         assert (await listed(first, 1))["roots"] == [str(roots["alpha"])]
         assert (await listed(second, 1))["roots"] == [str(roots["beta"])]
         # The same imports in both: each session's prompt has only its own folder's file.
-        assert await cross_file_of(first, (roots["alpha"] / "main.py").as_uri(), MAIN_TEXT) == ["alpha.py"]
+        why: list[str] = []
+        assert await cross_file_of(first, (roots["alpha"] / "main.py").as_uri(), MAIN_TEXT, why) == ["alpha.py"]
+        assert len(why) == 1 and why[0].startswith("alpha.py: alpha_rate: ")  # and the rank reason
+        assert why[0].endswith(("used near the cursor", "imported, not used yet"))
         assert await cross_file_of(second, (roots["beta"] / "main.py").as_uri(), MAIN_TEXT) == ["beta.py"]
         # A document outside the session's folders gets no workspace context.
         assert await cross_file_of(first, (roots["beta"] / "main.py").as_uri(), MAIN_TEXT) == []

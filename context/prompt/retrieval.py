@@ -166,12 +166,16 @@ class _Piece:
     order: int
     text: str
     short: str  # what to show when ``text`` does not fit ("" : nothing)
+    reason: str = ""  # what it is and why it ranks where it does, for ember/stats
 
 
-def _definition_piece(path: str, order: int, found: Definition) -> _Piece:
+def _definition_piece(path: str, order: int, found: Definition, reason: str) -> _Piece:
     if len(found.full) <= _FULL_LIMIT:
-        return _Piece(path, order, found.full, found.signature if found.signature != found.full else "")
-    return _Piece(path, order, found.signature, "")
+        return _Piece(path, order, found.full, found.signature if found.signature != found.full else "", reason)
+    return _Piece(path, order, found.signature, "", reason)
+
+
+_TIER_REASONS = ("used near the cursor", "imported, not used yet", "imported, used elsewhere in the file")
 
 
 def _body_text(text: str) -> str:
@@ -188,45 +192,49 @@ def _imported_pieces(view: WorkspaceView, cursor: Cursor, imports: Sequence[Reso
     for position, resolved in enumerate(imports):
         for name, files in resolved.names.items():
             for file in files[:1]:
-                piece = _piece_for(view, file, name, near)
+                tier = 0 if name in near else 1 if name not in used else 2
+                piece = _piece_for(view, file, name, near, f"{name}: {_TIER_REASONS[tier]}")
                 if piece is None or (file, name) in seen:
                     continue
                 seen.add((file, name))
-                tier = 0 if name in near else 1 if name not in used else 2
                 ranked.append((tier, position, piece))
         if not resolved.names:  # `import pkg.mod`: the definitions the file uses as mod.X
             for file in resolved.files[:1]:
-                for name, piece in _module_pieces(view, file, near | used):
+                for name, piece in _module_pieces(view, file, near | used, resolved.module):
                     ranked.append((0 if name in near else 2, position, piece))
     ranked.sort(key=lambda item: (item[0], item[1]))
     return [piece for _, _, piece in ranked]
 
 
-def _piece_for(view: WorkspaceView, file: str, name: str, near: set[str]) -> _Piece | None:
+def _piece_for(view: WorkspaceView, file: str, name: str, near: set[str], reason: str) -> _Piece | None:
     summary = view.summary(file)
     if summary is None:
         return None
     for order, found in enumerate(summary.definitions):
         if found.name == name:
-            return _definition_piece(file, order, found)
+            return _definition_piece(file, order, found, reason)
     # The name is a submodule (`from pkg import mod`): the definitions used near the cursor.
     if os.path.splitext(os.path.basename(file))[0] in (name, "__init__"):
-        pieces = [piece for _, piece in _module_pieces(view, file, near)]
+        pieces = [piece for _, piece in _module_pieces(view, file, near, name)]
         return pieces[0] if len(pieces) == 1 else _merge(file, pieces) if pieces else None
     return None
 
 
 def _merge(file: str, pieces: Sequence[_Piece]) -> _Piece:
     text = "\n".join(p.short or p.text for p in pieces)
-    return _Piece(file, pieces[0].order, text, "")
+    return _Piece(file, pieces[0].order, text, "", "; ".join(p.reason for p in pieces))
 
 
-def _module_pieces(view: WorkspaceView, file: str, wanted: set[str]) -> list[tuple[str, _Piece]]:
+def _module_pieces(view: WorkspaceView, file: str, wanted: set[str], module: str) -> list[tuple[str, _Piece]]:
     """(name, piece) for the definitions of ``file`` whose names are in ``wanted``."""
     summary = view.summary(file)
     if summary is None:
         return []
-    return [(d.name, _definition_piece(file, order, d)) for order, d in enumerate(summary.definitions) if d.name in wanted]
+    return [
+        (d.name, _definition_piece(file, order, d, f"{module}.{d.name}: used from the imported module"))
+        for order, d in enumerate(summary.definitions)
+        if d.name in wanted
+    ]
 
 
 def _window_files(view: WorkspaceView, cursor: Cursor, imports: Sequence[ResolvedImport]) -> list[str]:
@@ -270,7 +278,10 @@ def _similar_windows(view: WorkspaceView, cursor: Cursor, files: Sequence[str]) 
             window = "\n".join(lines[best[1] : best[1] + WINDOW_LINES]).strip("\n")
             scored.append((best[0], file, best[1], window))
     scored.sort(key=lambda item: (-item[0], item[1]))
-    return [_Piece(file, 10_000 + start, window, "") for _, file, start, window in scored]
+    return [
+        _Piece(file, 10_000 + start, window, "", f"lines {start + 1}-{start + WINDOW_LINES}: similar code ({similarity:.2f})")
+        for similarity, file, start, window in scored
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -293,7 +304,7 @@ def retrieve(view: WorkspaceView, cursor: Cursor, budget_chars: int) -> tuple[Sn
             chosen.append(piece)
             left -= cost
         elif piece.short and cost - len(piece.text) + len(piece.short) <= left:
-            chosen.append(_Piece(piece.path, piece.order, piece.short, ""))
+            chosen.append(_Piece(piece.path, piece.order, piece.short, "", piece.reason + " (signature only)"))
             left -= cost - len(piece.text) + len(piece.short)
     return _render(view, chosen)
 
@@ -323,5 +334,6 @@ def _render(view: WorkspaceView, chosen: Sequence[_Piece]) -> tuple[Snippet, ...
     snippets = []
     for path in sorted({piece.path for piece in chosen}):
         pieces = sorted((p for p in chosen if p.path == path), key=lambda p: p.order)
-        snippets.append(Snippet(_relative(view, path).replace(os.sep, "/"), "\n\n".join(p.text.rstrip() for p in pieces)))
+        text = "\n\n".join(p.text.rstrip() for p in pieces)
+        snippets.append(Snippet(_relative(view, path).replace(os.sep, "/"), text, tuple(p.reason for p in pieces)))
     return tuple(snippets)

@@ -24,10 +24,12 @@ from context.source.memo import TextMemo
 
 @dataclass(frozen=True)
 class Snippet:
-    """Context from another file, placed first in the prompt in a stable order."""
+    """Context from another file, placed first in the prompt in a stable order; ``reasons`` says
+    what is in it and why it was chosen (``ember/stats``), one line per piece."""
 
     path: str
     text: str
+    reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
