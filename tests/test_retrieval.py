@@ -3,10 +3,9 @@ prompt, and the sessions' shared indexes (lsp/workspaces.py)."""
 
 from __future__ import annotations
 
-import re
-
 import asyncio
 import os
+import re
 from pathlib import Path
 
 from context.prompt.builder import PromptBudget, PromptRequest, anchored_prompt

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from context.cut.control_tokens import LEAKING_TOKEN, TOKEN_BREAK
@@ -70,32 +70,25 @@ class FimTemplate:
 
 PREFIX_ONLY = FimTemplate("prefix-only", order="none")
 
+# Other files as path comments inside the prefix: with Qwen2.5-Coder-0.5B-Instruct (ember's default
+# code model) the same workspace block laid out so got 27 of 118 stratified cross-file dev cases
+# exactly right, in the repository format 21 (off: 25; +7 -1 against it;
+# bench/results/crossfile-batch-b.json). "qwen2.5-coder-repo" keeps the repository format, for the
+# base checkpoints it was trained with.
+_QWEN = FimTemplate(
+    "qwen2.5-coder",
+    "<|fim_prefix|>",
+    "<|fim_suffix|>",
+    "<|fim_middle|>",
+    "psm",
+    ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>"),
+)
+
 TEMPLATES: dict[str, FimTemplate] = {
     t.name: t
     for t in (
-        # Other files as path comments inside the prefix: with Qwen2.5-Coder-0.5B-Instruct (ember's
-        # default code model) the same workspace block laid out so got 27 of 118 stratified
-        # cross-file dev cases exactly right, in the repository format 21 (off: 25; +7 -1 against
-        # it; bench/results/crossfile-batch-b.json). "qwen2.5-coder-repo" keeps the repository
-        # format, for the base checkpoints it was trained with.
-        FimTemplate(
-            "qwen2.5-coder",
-            "<|fim_prefix|>",
-            "<|fim_suffix|>",
-            "<|fim_middle|>",
-            "psm",
-            ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>"),
-        ),
-        FimTemplate(
-            "qwen2.5-coder-repo",
-            "<|fim_prefix|>",
-            "<|fim_suffix|>",
-            "<|fim_middle|>",
-            "psm",
-            ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>"),
-            repo_token="<|repo_name|>",
-            file_token="<|file_sep|>",
-        ),
+        _QWEN,
+        replace(_QWEN, name="qwen2.5-coder-repo", repo_token="<|repo_name|>", file_token="<|file_sep|>"),
         FimTemplate(
             "starcoder2",
             "<fim_prefix>",
