@@ -341,6 +341,16 @@ def workspace_paths(c: CaseView) -> tuple[str, CrossFile]:
     return "workspace", CrossFile(workspace_context(c.view, c.cursor, c.chars("workspace")).snippets)
 
 
+def workspace_at(tokens: int) -> Variant:
+    """Today's workspace block with crossFileTokens ``tokens`` (the budget curve)."""
+
+    def variant(c: CaseView) -> tuple[str, CrossFile]:
+        mode = f"workspace@{tokens}"
+        return mode, workspace_context(c.view, c.cursor, c.chars(mode))
+
+    return variant
+
+
 def stubs_paths_256(c: CaseView) -> tuple[str, CrossFile]:
     """The imported names' stubs only, at 256 tokens, with path comments."""
     return "workspace@256", _pack(c, _stub_pieces(c, stub_of, False), c.chars("workspace@256"), windows=False, repo=False)
@@ -370,6 +380,7 @@ CANDIDATES: dict[str, Variant] = {
     "oracle-stub": oracle_stub,
     "workspace:paths": workspace_paths,
     "stubs@256:paths": stubs_paths_256,
+    **{f"workspace@{tokens}": workspace_at(tokens) for tokens in (256, 512, 1024)},
 }
 
 

@@ -130,6 +130,12 @@ class Record:
     mode: str | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The confidence gate's view of the answer (ember/stats; bench/confidence.py fits on these).
+    confidence: float | None = None
+    shown: str | None = None
+    kept_tokens: int | None = None
+    logprob_min: float | None = None
+    logprob_mean: float | None = None
 
 
 # ---------------------------------------------------------------------------------------- cases
@@ -427,6 +433,11 @@ def score(case: Case, completion: str, strategy: str, last: dict[str, Any], clie
         outcome=last.get("outcome"),
         mode=last.get("mode"),
         error=error,
+        confidence=last.get("confidence"),
+        shown=last.get("shown"),
+        kept_tokens=last.get("kept_tokens"),
+        logprob_min=last.get("logprob_min"),
+        logprob_mean=last.get("logprob_mean"),
     )
 
 
@@ -802,6 +813,8 @@ def server_options(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     }
     if args.context_tokens:
         options["contextTokens"] = args.context_tokens
+    if args.min_confidence is not None:
+        options["minConfidence"] = args.min_confidence
     if args.engine_arg:
         # The engine starts with the editor's settings over stdio: engineArgs is ember --engine-arg.
         options["engineArgs"] = dict(parse_engine_arg(text) for text in args.engine_arg)
@@ -856,6 +869,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--context-tokens", type=int, help="ember contextTokens (default: ember's)")
+    parser.add_argument(
+        "--min-confidence", type=float, help="ember minConfidence (default: ember's; 0 shows every answer, as for a calibration)"
+    )
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a vLLM engine argument (repeatable), as ember --engine-arg")
     parser.add_argument("--timeout-ms", type=int, default=60000, help="ember timeoutMs (high: a slow CPU should not cut output)")

@@ -24,6 +24,9 @@ class GenerationParams:
     max_tokens: int = 64
     temperature: float = 0.0
     stop: tuple[str, ...] = ()
+    # Report the log-probability of every sampled token (Chunk.logprobs): what a suggestion's
+    # confidence is made of.
+    logprobs: bool = False
 
 
 @dataclass
@@ -31,7 +34,8 @@ class Chunk:
     """A piece of generated text with what the engine reported about the prompt.
 
     ``prompt_tokens`` and ``cached_tokens`` are set on the first chunk when the engine knows them
-    (vLLM's ``num_cached_tokens``: prefix-cache hits).
+    (vLLM's ``num_cached_tokens``: prefix-cache hits). ``logprobs``: the natural-log probabilities
+    of the tokens this chunk's text came from, when :class:`GenerationParams` asked for them.
     """
 
     text: str
@@ -39,6 +43,7 @@ class Chunk:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     finish_reason: str | None = None
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,18 @@ def _on_cpu() -> bool:
         return True
 
 
+def sampled_logprobs(token_ids: Any, positions: Any) -> tuple[float, ...]:
+    """The sampled tokens' log-probabilities from vLLM's per-position ``{token_id: Logprob}``
+    (with ``logprobs=0`` each position holds the sampled token alone)."""
+    found = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        if not position:
+            continue
+        chosen = position.get(token_id) or next(iter(position.values()))
+        found.append(float(chosen.logprob))
+    return tuple(found)
+
+
 def _shown(args: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value!r}" for key, value in args.items())
 
@@ -289,6 +301,7 @@ class EmbeddedEngine:
             max_tokens=params.max_tokens,
             stop=list(params.stop) or None,
             output_kind=RequestOutputKind.DELTA,
+            logprobs=0 if params.logprobs else None,  # 0: the sampled token's alone
         )
         first = True
         finished = False
@@ -296,6 +309,8 @@ class EmbeddedEngine:
             async for out in self._llm.generate(prompt, sampling, request_id):
                 completion = out.outputs[0]
                 chunk = Chunk(text=completion.text, token_count=len(completion.token_ids))
+                if completion.logprobs:
+                    chunk.logprobs = sampled_logprobs(completion.token_ids, completion.logprobs)
                 if first:
                     chunk.prompt_tokens = len(out.prompt_token_ids or [])
                     chunk.cached_tokens = out.num_cached_tokens or 0

@@ -45,7 +45,7 @@ from engine.routing import (
     probe_delay,
     redact_url,
 )
-from engine.sse import DONE, Malformed, Usage, choice_text, decode_event, events, int_or_none, parse_usage
+from engine.sse import DONE, Malformed, Usage, choice_logprobs, choice_text, decode_event, events, int_or_none, parse_usage
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +305,8 @@ class RemoteEngine:
         }
         if params.stop:
             body["stop"] = list(params.stop)
+        if params.logprobs:
+            body["logprobs"] = 0  # the sampled tokens' own, no alternatives
         return body
 
     async def _produce(self, replica: Replica, body: dict[str, Any], request_id: str, queue: asyncio.Queue[Any]) -> None:
@@ -441,7 +443,7 @@ class RemoteEngine:
             if text:
                 progress.yielded += 1
                 progress.counted += 1
-                chunks.append(Chunk(text=text, token_count=1))
+                chunks.append(Chunk(text=text, token_count=1, logprobs=choice_logprobs(choice)))
             if finish:
                 progress.final = Chunk(text="", finish_reason=str(finish))
         return chunks

@@ -55,6 +55,16 @@ def choice_text(choice: dict[str, Any]) -> str:
     return ""
 
 
+def choice_logprobs(choice: dict[str, Any]) -> tuple[float, ...]:
+    """The sampled tokens' log-probabilities of a completions choice (``logprobs.token_logprobs``;
+    a server that sent none, or nulls, gives what it has)."""
+    logprobs = choice.get("logprobs")
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(values, list):
+        return ()
+    return tuple(float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
 def _sse_data(line: str) -> str | None:
     """The payload of a ``data:`` line; other SSE fields, comments and keepalives give None."""
     if not line.startswith("data:"):

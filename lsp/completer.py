@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from cachetools import LRUCache
 
+from context.cut.confidence import CALIBRATIONS, Calibration, TokenTrace, Verdict, judge
 from context.prompt.builder import TEMPLATE_RESERVE_TOKENS, Prompt, PromptBudget
 from context.prompt.fim import FimTemplate, choose_template
 from context.prompt.site import CompletionSite, site_at
@@ -65,15 +66,26 @@ class Running:
     cursor: Cursor
     cutter: Cutter
     cache_key: str  # where the final text goes in the completion cache
+    calibration: Calibration | None = None  # the model family's, for the confidence of what is shown
+    min_confidence: float = 0.0
     on_text: Callable[[str], None] | None = None  # the request's listener for streamed text
     task: asyncio.Task[bool] = field(init=False)
     final: str | None = None  # the post-processed text once the generation ended
+    confidence: float | None = None  # the final text's, once the generation ended
     attached: int = 0  # later requests waiting on this generation
     grew: asyncio.Event = field(default_factory=asyncio.Event)  # set when the text changes
+    trace: TokenTrace = field(default_factory=TokenTrace)  # the sampled tokens' log-probabilities
 
     def text(self) -> str:
-        """The post-processed text so far; the final text once the generation ended."""
-        return self.final if self.final is not None else self.cutter.preview()
+        """The post-processed text so far, as much of it as is confident enough to show; the
+        final text once the generation ended."""
+        if self.final is not None:
+            return self.final
+        preview = self.cutter.preview()
+        return self.verdict(preview).text if preview else ""
+
+    def verdict(self, text: str) -> Verdict:
+        return judge(text, self.cutter.raw, self.trace, self.calibration, self.min_confidence)
 
     def changed(self) -> None:
         self.grew.set()
@@ -87,6 +99,14 @@ class Completion:
     metrics: RequestMetrics
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A finished generation's text, as the completion cache keeps it ("" for a hidden one)."""
+
+    text: str
+    confidence: float | None
+
+
 @dataclass
 class _Typing:
     last_request: float = 0.0
@@ -98,15 +118,15 @@ class Completer:
     engine_source: Callable[[], Engine | None]
     metrics: Metrics
     cache_bytes: int = 8 << 20
-    cache: LRUCache[str, str] = field(init=False)
-    _suggestions: LRUCache[DocKey, tuple[Cursor, str]] = field(init=False)
+    cache: LRUCache[str, Answer] = field(init=False)
+    _suggestions: LRUCache[DocKey, tuple[Cursor, Answer]] = field(init=False)
     _running: dict[DocKey, Running] = field(init=False, default_factory=dict)
     _typing: LRUCache[DocKey, _Typing] = field(init=False)
     _template: tuple[str, FimTemplate] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         # Bounded in bytes; each entry costs its text plus a fixed overhead, so entries are bounded too.
-        self.cache = LRUCache(maxsize=self.cache_bytes, getsizeof=lambda text: len(text) + 256)
+        self.cache = LRUCache(maxsize=self.cache_bytes, getsizeof=lambda answer: len(answer.text) + 256)
         self._suggestions = LRUCache(maxsize=1024)
         self._typing = LRUCache(maxsize=1024)
         self._ids = itertools.count(1)
@@ -196,9 +216,14 @@ class Completer:
         cached = self.cache.get(cache_key) if settings.reuse else None
         if cached is not None:
             metrics.cache_hit = True
-            return self._done(key, Cursor.at(text, offset), cached, metrics, started)
+            metrics.confidence = cached.confidence
+            return self._done(key, Cursor.at(text, offset), cached.text, metrics, started)
 
-        this = Running(key, Cursor.at(text, offset), chosen.cutter(site, prompt), cache_key, on_text)
+        calibration = CALIBRATIONS.get(self.template_for(engine, settings.fim_template).name)
+        this = Running(
+            key, Cursor.at(text, offset), chosen.cutter(site, prompt), cache_key, calibration,
+            min_confidence_for(settings, calibration), on_text,
+        )
         this.task = asyncio.ensure_future(self._generate(engine, prompt, this, settings, metrics, started))
         self._running[key] = this
         early_s = settings.early_answer_ms / 1000 if site.mode == "multi" and settings.early_answer_ms > 0 else None
@@ -235,7 +260,7 @@ class Completer:
         if not generated:
             return Completion("", metrics.finish(started))
         final = this.text()
-        self.cache[this.cache_key] = final
+        self.cache[this.cache_key] = Answer(final, this.confidence)
         return self._done(this.key, this.cursor, final, metrics, started)
 
     async def _reuse(self, key: DocKey, running: Running | None, text: str, offset: int, metrics: RequestMetrics) -> str | None:
@@ -244,7 +269,8 @@ class Completer:
         reused = self._typed_through(key, text, offset)
         if reused is not None:
             metrics.cache_hit = True
-            return reused
+            metrics.confidence = reused.confidence
+            return reused.text
         attached = await self._attach(running, text, offset) if running is not None else None
         if attached is not None:
             metrics.cache_hit = True
@@ -281,10 +307,10 @@ class Completer:
         if this.task.cancelled() or this.task.exception() is not None or not this.task.result():
             return
         final = this.text()
-        self.cache[this.cache_key] = final
+        self.cache[this.cache_key] = Answer(final, this.confidence)
         last = self._suggestions.get(key)
-        if last is not None and last[1] == shown and final.startswith(shown):
-            self._suggestions[key] = (last[0], final)
+        if last is not None and last[1].text == shown and final.startswith(shown):
+            self._suggestions[key] = (last[0], Answer(final, this.confidence))
 
     def prompt_for(
         self, engine: Engine, doc: Document, offset: int, settings: Settings, cross_file: CrossFile = NO_CROSS_FILE
@@ -343,7 +369,9 @@ class Completer:
         """Streams the completion through ``this.cutter``; False when the engine gave nothing
         usable (the reason is in ``metrics.outcome``)."""
         request_id = f"ember-{next(self._ids)}"
-        params = GenerationParams(max_tokens=settings.max_tokens, temperature=settings.temperature, stop=prompt.stop)
+        params = GenerationParams(
+            max_tokens=settings.max_tokens, temperature=settings.temperature, stop=prompt.stop, logprobs=True
+        )
         engine_started = time.perf_counter()
         try:
             async with asyncio.timeout(settings.timeout_ms / 1000):
@@ -361,7 +389,9 @@ class Completer:
             return False
         finally:
             metrics.engine_ms = (time.perf_counter() - engine_started) * 1000
-        this.final = this.cutter.finish(metrics.truncated)
+        verdict = this.verdict(this.cutter.finish(metrics.truncated))
+        this.final, this.confidence = verdict.text, verdict.confidence
+        metrics.judged(verdict)
         this.changed()
         return True
 
@@ -379,6 +409,7 @@ class Completer:
                     metrics.prompt_tokens = chunk.prompt_tokens
                     metrics.cached_tokens = chunk.cached_tokens or 0
                 metrics.streamed_tokens += chunk.token_count
+                this.trace.add(chunk.text, chunk.logprobs)
                 stopped = this.cutter.feed(chunk.text)
                 # A chunk that hits the token limit may also end the completion: then it is whole.
                 if chunk.finish_reason == "length" and not stopped:
@@ -392,7 +423,7 @@ class Completer:
 
     def _done(self, key: DocKey, cursor: Cursor, completion: str, metrics: RequestMetrics, started: float) -> Completion:
         if completion:
-            self._suggestions[key] = (cursor, completion)
+            self._suggestions[key] = (cursor, Answer(completion, metrics.confidence))
         elif metrics.outcome == "ok":
             metrics.outcome = "empty"
         metrics.finish(started)
@@ -400,16 +431,17 @@ class Completer:
         log.debug("completion metrics %s", metrics.as_dict())
         return Completion(completion, metrics)
 
-    def _typed_through(self, key: DocKey, text: str, offset: int) -> str | None:
-        """The rest of the last suggestion when the user has typed its beginning."""
+    def _typed_through(self, key: DocKey, text: str, offset: int) -> Answer | None:
+        """The rest of the last suggestion when the user has typed its beginning (with the
+        suggestion's confidence)."""
         last = self._suggestions.get(key)
         if last is None:
             return None
         cursor, suggestion = last
         typed = cursor.typed_since(text, offset)
-        if typed is None or not suggestion.startswith(typed) or len(typed) >= len(suggestion):
+        if typed is None or not suggestion.text.startswith(typed) or len(typed) >= len(suggestion.text):
             return None
-        return suggestion[len(typed) :]
+        return Answer(suggestion.text[len(typed) :], suggestion.confidence)
 
 
 # The cross-file budget with crossFile "workspace", as a share of the context (512 tokens at
@@ -438,6 +470,14 @@ def prompt_budget(settings: Settings, max_model_len: int) -> PromptBudget:
     return dataclasses.replace(budget, snippet_tokens=max(budget.snippet_tokens, min(wanted, budget.snippet_tokens + free)))
 
 
+def min_confidence_for(settings: Settings, calibration: Calibration | None) -> float:
+    """The user's ``minConfidence``, else the model family's calibrated default, else 0 (a model
+    without a calibration shows everything but degenerate repetition)."""
+    if settings.min_confidence is not None:
+        return settings.min_confidence
+    return calibration.min_confidence if calibration is not None else 0.0
+
+
 def complete_lines(text: str) -> str:
     """``text`` up to its last line break, when that holds something to show."""
     end = text.rfind("\n")
@@ -450,5 +490,5 @@ def _cache_key(prompt: Prompt, mode: str, settings: Settings, suffix: str) -> st
     h = hashlib.blake2b(prompt.text.encode("utf-8", "surrogatepass"), digest_size=16)
     h.update(suffix[:_REUSE_CONTEXT].encode("utf-8", "surrogatepass"))
     h.update(prompt.healed.encode("utf-8", "surrogatepass"))  # same prompt text, other re-alignment
-    h.update(f"|{mode}|{settings.max_tokens}|{settings.temperature}|{settings.postprocess}".encode())
+    h.update(f"|{mode}|{settings.max_tokens}|{settings.temperature}|{settings.postprocess}|{settings.min_confidence}".encode())
     return h.hexdigest()

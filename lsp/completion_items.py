@@ -23,9 +23,12 @@ def word_before(ls: EmberServer, uri: str, position: types.Position) -> str:
     return match.group(0) if match else ""
 
 
-def completion_item(text: str, position: types.Position, word: str = "") -> types.CompletionItem:
+def completion_item(
+    text: str, position: types.Position, word: str = "", confidence: float | None = None
+) -> types.CompletionItem:
     """Replaces the word being typed with itself plus the generated text: clients filter items by
-    the word at the cursor, and would drop an item that does not start with it."""
+    the word at the cursor, and would drop an item that does not start with it. ``data`` carries
+    the suggestion's confidence (context.cut.confidence) for editors that rank or style by it."""
     first_line = text.split("\n", 1)[0].strip() or text.strip()
     start = types.Position(line=position.line, character=position.character - len(word))
     return types.CompletionItem(
@@ -37,4 +40,5 @@ def completion_item(text: str, position: types.Position, word: str = "") -> type
         text_edit=types.TextEdit(range=types.Range(start=start, end=position), new_text=word + text),
         sort_text="0",
         filter_text=word + (first_line or text),
+        data={"confidence": confidence},
     )

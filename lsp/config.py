@@ -67,6 +67,10 @@ class Settings:
     # "syntax": block ends, indentation, brackets and repeats handled by the tree; "plain": the
     # model's text cut at line breaks only (the baseline that syntax_ok is measured against).
     postprocess: str = "syntax"
+    # Hide a suggestion whose confidence (the model family's calibrated probability that it is
+    # exactly right; context.cut.confidence) is below this; 0 shows everything but degenerate
+    # repetition; None: the model family's calibrated default (0 for a model without one).
+    min_confidence: float | None = None
 
     def engine_arg_dict(self) -> dict[str, Any]:
         """The engine arguments as vLLM takes them."""
@@ -85,6 +89,7 @@ _LIMITS: dict[str, tuple[type, float | None, float | None]] = {
     "early_answer_ms": (int, 0, 600000),
     "max_document_bytes": (int, 1024, 1 << 31),
     "max_requests_per_second": (float, 0.0, 10000.0),
+    "min_confidence": (float, 0.0, 1.0),
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -198,8 +203,8 @@ def _validate(key: str, value: Any, source: str, raw_key: str) -> Any:
         return tuple(urls)
     if key in _ALIASES and isinstance(value, bool):
         return _ALIASES[key][value]
-    if key in ("context_tokens", "suffix_tokens", "cross_file_tokens") and value is None:
-        return None  # back to the share of the model's context
+    if key in ("context_tokens", "suffix_tokens", "cross_file_tokens", "min_confidence") and value is None:
+        return None  # back to the default that follows the model
     if key in ("model", "fim_template"):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where} must be a string")

@@ -177,14 +177,14 @@ async def completion(ls: EmberServer, params: types.CompletionParams) -> types.C
         if token is not None and text:
             ls.progress(types.ProgressParams(token=token, value=[completion_item(text, params.position, word)]))
 
-    text = await ls.complete(params.text_document.uri, params.position, on_text)
-    items = [completion_item(text, params.position, word)] if text else []
+    result = await ls.complete(params.text_document.uri, params.position, on_text)
+    items = [completion_item(result.text, params.position, word, result.metrics.confidence)] if result.text else []
     return types.CompletionList(is_incomplete=True, items=items)
 
 
 async def inline_completion(ls: EmberServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
     """Ghost text (LSP 3.18): VS Code, Neovim 0.12."""
-    text = await ls.complete(params.text_document.uri, params.position)
+    text = (await ls.complete(params.text_document.uri, params.position)).text
     if not text:
         return types.InlineCompletionList(items=[])
     position = params.position

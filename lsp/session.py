@@ -23,7 +23,7 @@ from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_
 from context.prompt.snippets import CrossFile, Snippet, select_snippets
 from context.source.document import Document, PositionError, utf16_position
 from lsp import VERSION
-from lsp.completer import prompt_budget
+from lsp.completer import Completion, prompt_budget
 from lsp.engine_host import EmberCore, close_and_exit
 from lsp.metrics import RequestMetrics
 from lsp.protocol import EmberProtocol, UnknownDocument, stop_reading
@@ -246,31 +246,35 @@ class EmberServer(LanguageServer):
 
     # ------------------------------------------------------------------ completion
 
-    async def complete(self, uri: str, position: types.Position, on_text: Callable[[str], None] | None = None) -> str:
-        """Generated text for the cursor; a newer request for the same document supersedes this one
-        (which then answers "") unless it continues what this one is generating."""
+    async def complete(
+        self, uri: str, position: types.Position, on_text: Callable[[str], None] | None = None
+    ) -> Completion:
+        """Generated text for the cursor, with its metrics (its confidence); a newer request for the
+        same document supersedes this one (which then answers "") unless it continues what this one
+        is generating."""
         doc = self.document(uri)
         offset = self.offset_of(doc, position)
         self.rate_limit.rate = self.settings.max_requests_per_second
         if not self.rate_limit.allow():
-            self.core.metrics.record(RequestMetrics(outcome="rate_limited", uri=uri))
+            limited = RequestMetrics(outcome="rate_limited", uri=uri)
+            self.core.metrics.record(limited)
             self.notify_user(
                 f"more than {self.settings.max_requests_per_second:g} completion requests per second from this "
                 "editor (maxRequestsPerSecond); the extra requests get empty answers",
                 types.MessageType.Warning,
             )
-            return ""
+            return Completion("", limited)
         if len(doc.text) > self.settings.max_document_bytes:
             too_large = f"{uri} is larger than maxDocumentBytes ({self.settings.max_document_bytes}); no completions"
             self.notify_user(too_large, types.MessageType.Warning)
-            return ""
+            return Completion("", RequestMetrics(outcome="too_large", uri=uri))
         if not self.core.check_engine():
             if self.core.engine_error:
                 self.notify_user(f"the engine is not available: {self.core.engine_error}")
-            return ""
+            return Completion("", RequestMetrics(outcome="loading", uri=uri))
         result = await self.core.completer.complete(
             (id(self), uri), doc, offset, self.settings, cross_file=await self.cross_file(doc, offset), on_text=on_text
         )
         if result.metrics.outcome == "error":
             self.notify_user("the engine failed to generate; see the log", types.MessageType.Warning)
-        return result.text
+        return result

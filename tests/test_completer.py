@@ -4,7 +4,8 @@ Covers what happens between requests for the same document while a generation ru
 at another cursor supersedes it (the engine-side stream is cancelled), one that typed what is being
 generated attaches to it, ``$/cancelRequest`` stops the generation unless someone attached, the
 early answer in multi-line mode (and the generation finishing into the cache behind it),
-typed-through reuse, engine trouble ("loading", "error"), and two documents generating at once.
+typed-through reuse, engine trouble ("loading", "error"), two documents generating at once, and the
+confidence gate (a hidden answer cached, a block shortened, the preview gated).
 
 The :class:`ScriptedEngine` below yields only the chunks a test sends, when it sends them, so
 each test decides the interleaving. The same behaviour against the real engine is checked in
@@ -15,17 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import pytest
 
+from context.cut import confidence
+from context.cut.confidence import Calibration
 from context.prompt.window import ApproxCounter
 from context.source.document import Document
 from engine.base import Chunk, Engine, EngineError, GenerationParams, ModelInfo
 from lsp.completer import Completer, Completion
 from lsp.config import Settings
-from lsp.metrics import Metrics
+from lsp.metrics import Metrics, prometheus_text
 
 WAIT_S = 2.0  # a wait that takes longer is a bug (the test fails instead of hanging)
 SESSION = "editor-1"
@@ -42,6 +46,12 @@ PERIMETER_CURSOR = SHAPES.rindex("width\n") + len("width")
 # Cursor on the indented empty line of a function body: multi-line mode.
 TOTAL = "def total(items):\n    \n"
 TOTAL_CURSOR = TOTAL.index("    \n") + 4
+SURE = math.log(0.95)
+UNSURE = math.log(0.05)
+# P(exact) = sigmoid(4 + 4 * min): 0.88 for a line of sure tokens, 0.01 with an unsure one.
+CALIBRATION = Calibration(
+    bias=4.0, min_weight=4.0, mean_weight=0.0, length_weight=0.0, min_confidence=0.5, line_logprob=math.log(0.2)
+)
 
 
 @dataclass
@@ -63,11 +73,11 @@ class StreamCall:
     def aborted(self) -> bool:
         return self.closed or self.cancelled
 
-    async def send(self, text: str, finish_reason: str | None = None) -> None:
-        """Hands the consumer one chunk and returns once it has dealt with it (it asked for the
-        next one, or it closed the stream)."""
+    async def send(self, text: str, finish_reason: str | None = None, logprobs: tuple[float, ...] = ()) -> None:
+        """Hands the consumer one chunk (with its tokens' ``logprobs``) and returns once it has
+        dealt with it (it asked for the next one, or it closed the stream)."""
         self.sent += 1
-        self._queue.put_nowait(Chunk(text, token_count=1, finish_reason=finish_reason))
+        self._queue.put_nowait(Chunk(text, token_count=1, finish_reason=finish_reason, logprobs=logprobs))
         await self._wait_for(lambda: self.asks > self.sent or self.finished)
 
     async def fail(self, error: EngineError) -> None:
@@ -353,7 +363,7 @@ async def test_early_answer_shows_complete_lines_and_the_rest_follows(
     await call.end()
     await settle()
     rest = "\n    for item in items:\n        total += item\n    return total"
-    assert "total = 0" + rest in completer.cache.values()
+    assert "total = 0" + rest in [answer.text for answer in completer.cache.values()]
 
     text, offset = typed(TOTAL, TOTAL_CURSOR, "total = 0")  # the user accepts the shown line
     accepted = await result(start(completer, text, offset, settings))
@@ -420,3 +430,64 @@ async def test_two_documents_generate_at_once(completer: Completer, engine: Scri
     assert (await result(area)).text == " * height"
     assert (await result(shapes)).text == " * 2 + height * 2"
     assert not area_call.aborted and not shapes_call.aborted
+
+
+# ------------------------------------------------------------------ the confidence gate
+# (its pure functions: test_confidence.py)
+
+
+async def test_logprobs_reach_the_gate_and_a_hidden_answer_is_cached(completer: Completer, engine: ScriptedEngine) -> None:
+    settings = dataclasses.replace(SETTINGS, min_confidence=0.5)
+    task = start(completer, AREA, AREA_CURSOR, settings)
+    call = await engine.next_call()
+    assert call.params.logprobs  # ember asks the engine for them
+    await call.send(" *", logprobs=(SURE,))
+    await call.send(" height", logprobs=(UNSURE,))
+    await call.end()
+    hidden = await result(task)
+    assert hidden.text == "" and hidden.metrics.outcome == "hidden" and hidden.metrics.shown == "hidden"
+    assert hidden.metrics.confidence == pytest.approx(math.sqrt(0.95 * 0.05))
+    assert hidden.metrics.kept_tokens == 2 and hidden.metrics.logprob_min == pytest.approx(UNSURE)
+    again = await result(start(completer, AREA, AREA_CURSOR, settings))
+    assert again.text == "" and again.metrics.cache_hit and len(engine.calls) == 1  # no second generation
+    shown_anyway = start(completer, AREA, AREA_CURSOR, dataclasses.replace(settings, min_confidence=0.0))
+    call = await engine.next_call()  # another threshold: another cache entry
+    await call.send(" * height", logprobs=(UNSURE,))
+    await call.end()
+    assert (await result(shown_anyway)).text == " * height"
+    assert completer.metrics.gate == {"hidden": 1, "shown": 1}
+    assert completer.metrics.summary()["gate"] == {"hidden": 1, "shown": 1}
+    exported = prometheus_text(completer.metrics)
+    assert 'ember_suggestions_total{gate="hidden"} 1' in exported and 'ember_suggestions_total{gate="shown"} 1' in exported
+
+
+async def test_a_calibrated_model_shortens_a_block(
+    completer: Completer, engine: ScriptedEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(confidence.CALIBRATIONS, "qwen2.5-coder", CALIBRATION)  # the scripted model's template
+    task = start(completer, TOTAL, TOTAL_CURSOR)
+    call = await engine.next_call()
+    await call.send("total = 0\n", logprobs=(SURE,))
+    await call.send("    for item in items:\n", logprobs=(SURE,))
+    await call.send("        total += item.prize\n", logprobs=(UNSURE,))
+    await call.send("    return total\n", logprobs=(SURE,))
+    await call.end()
+    done = await result(task)
+    assert done.text == "total = 0\n    for item in items:"
+    assert done.metrics.shown == "shortened" and done.metrics.confidence == pytest.approx(CALIBRATION.probability([SURE, SURE]))
+
+
+async def test_the_streamed_preview_is_gated_too(completer: Completer, engine: ScriptedEngine) -> None:
+    uri = "file:///total.py"
+    previews: list[str] = []
+    settings = dataclasses.replace(SETTINGS, min_confidence=0.5)
+    doc = Document(uri, "python", TOTAL)
+    task = asyncio.create_task(completer.complete(("editor-1", uri), doc, TOTAL_CURSOR, settings, on_text=previews.append))
+    call = await engine.next_call()
+    await call.send("total = 0\n", logprobs=(SURE,))
+    await call.send("    for item in items:\n", logprobs=(SURE,))
+    assert previews and previews[-1].startswith("total = 0")  # confident so far: shown while it grows
+    await call.send("        total += item.prize\n", logprobs=(UNSURE, UNSURE, UNSURE))
+    assert previews[-1] == ""  # no longer: the preview goes
+    await call.end()
+    assert (await result(task)).text == ""

@@ -584,7 +584,7 @@ async def test_lsp_through_engine_url_matches_the_embedded_server(vllm_pair: Pai
     from lsprotocol import types
     from pygls.lsp.client import LanguageClient
 
-    from tests.conftest import wait_ready
+    from tests.conftest import plain, wait_ready
     from tests.test_server import inline, open_doc, type_text
 
     uri = "file:///work/remote_same.py"
@@ -596,6 +596,7 @@ async def test_lsp_through_engine_url_matches_the_embedded_server(vllm_pair: Pai
     client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings={"ember": options}))
     open_doc(client, uri, text)
     embedded = [item.insert_text for item in await inline(client, uri, line, character)]
+    embedded_stats = plain(await client.protocol.send_request_async("ember/stats", {"uri": uri}))["last_for_uri"]
     client.workspace_did_change_configuration(
         types.DidChangeConfigurationParams(settings={"ember": {"maxTokens": 24, "crossFile": True, "reuse": True, "warmup": True}})
     )
@@ -614,6 +615,11 @@ async def test_lsp_through_engine_url_matches_the_embedded_server(vllm_pair: Pai
         await wait_ready(remote_client, timeout=60)
         open_doc(remote_client, uri, text)
         assert [item.insert_text for item in await inline(remote_client, uri, line, character)] == embedded
+        # The server's token log-probabilities (OpenAI ``logprobs``) reached the confidence gate:
+        # the same model and prompt give the embedded engine's confidence.
+        remote_stats = plain(await remote_client.protocol.send_request_async("ember/stats", {"uri": uri}))["last_for_uri"]
+        assert remote_stats["shown"] == embedded_stats["shown"] == "shown", (remote_stats, embedded_stats)
+        assert remote_stats["confidence"] == pytest.approx(embedded_stats["confidence"], rel=0.02), (remote_stats, embedded_stats)
 
         hits_before = await prefix_cache_hits(vllm_pair.a.url)
         type_text(remote_client, uri, line, character, "s", version=1)

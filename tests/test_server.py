@@ -145,9 +145,13 @@ async def test_completions_after_incremental_edits_match_a_full_sync(client, sam
     last = (await stats(client))["last"]
     assert last["streamed_tokens"] > 0 and not last["cache_hit"], last
     assert last["prompt_tokens"] > 100
+    # The embedded engine's token log-probabilities reached the confidence gate (the bundled model
+    # has no calibration: everything is shown, with the kept tokens' geometric-mean probability).
+    assert 0 < last["confidence"] <= 1 and last["shown"] == "shown", last
 
     completion_items = await complete(client, URI, cursor_line, cursor_char)
     assert len(completion_items) == 1
+    assert completion_items[0].data == {"confidence": last["confidence"]}  # from the completion cache
     edit = completion_items[0].text_edit
     assert edit.new_text == inline_text
     assert edit.range.start == types.Position(line=cursor_line, character=cursor_char)

@@ -198,8 +198,7 @@ async def test_two_sessions_with_different_roots_see_only_their_own_files(tcp_se
         # The same imports in both: each session's prompt has only its own folder's file.
         why: list[str] = []
         assert await cross_file_of(first, (roots["alpha"] / "main.py").as_uri(), MAIN_TEXT, why) == ["alpha.py"]
-        assert len(why) == 1 and why[0].startswith("alpha.py: alpha_rate: ")  # and the rank reason
-        assert why[0].endswith(("used near the cursor", "imported, not used yet"))
+        assert why == ["alpha.py: alpha_rate: imported, not used yet"]  # and the rank reason
         assert await cross_file_of(second, (roots["beta"] / "main.py").as_uri(), MAIN_TEXT) == ["beta.py"]
         # A document outside the session's folders gets no workspace context.
         assert await cross_file_of(first, (roots["beta"] / "main.py").as_uri(), MAIN_TEXT) == []

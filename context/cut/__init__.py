@@ -7,4 +7,6 @@
 - :mod:`.line_rules` (which lines to keep), :mod:`.suffix_rules` (a block against the code after
   the cursor), :mod:`.brackets` (brackets, overlap, parse checks), :mod:`.chat` (chat after code).
 - :mod:`.control_tokens`: ``strip_control_tokens``, FIM/chat markers out of the model's text.
+- :mod:`.confidence`: ``judge``, what to show of an answer given the model's token
+  log-probabilities (hidden when unsure, a block shortened, degenerate repetition never shown).
 """

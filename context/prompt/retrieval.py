@@ -131,12 +131,13 @@ def _lines_between(text: str, offset: int, line: int, first: int, last: int) -> 
 
 def near_region(text: str, offset: int) -> str:
     """The lines whose names count as used near the cursor: a region that moves in steps of
-    :data:`REGION_STEP` lines, without the cursor's own line (being typed)."""
+    :data:`REGION_STEP` lines, without the cursor's own line (being typed) and without import lines
+    (near the top of a file they would make every imported name "used near the cursor")."""
     line = text.count("\n", 0, offset)
     base = line // REGION_STEP * REGION_STEP
     first = max(0, base - NEAR_LINES)
     lines = _lines_between(text, offset, line, first, base + REGION_STEP + NEAR_LINES)
-    return "\n".join(lines[: line - first] + lines[line - first + 1 :])
+    return _body_text("\n".join(lines[: line - first] + lines[line - first + 1 :]))
 
 
 def query_lines(text: str, offset: int) -> str:
@@ -186,7 +187,11 @@ def _body_text(text: str) -> str:
 def _imported_pieces(view: WorkspaceView, cursor: Cursor, imports: Sequence[ResolvedImport]) -> list[_Piece]:
     """The imported names' definitions, best first (used near the cursor, not used yet, the rest)."""
     near = identifiers(near_region(cursor.text, cursor.offset))
-    used = identifiers(_body_text(cursor.text))
+    # Not the cursor's line: what the user is typing must not reorder the context under them.
+    line_start = cursor.text.rfind("\n", 0, cursor.offset) + 1
+    line_end = cursor.text.find("\n", cursor.offset)
+    rest = cursor.text[:line_start] + ("" if line_end < 0 else cursor.text[line_end:])
+    used = identifiers(_body_text(rest))
     ranked: list[tuple[int, int, _Piece]] = []
     seen: set[tuple[str, str]] = set()
     for position, resolved in enumerate(imports):

@@ -21,6 +21,8 @@ export interface EmberSettings {
   temperature: number | undefined;
   earlyAnswerMs: number | undefined;
   maxRequestsPerSecond: number | undefined;
+  /** Hide suggestions below this confidence (0-1); empty: the model's calibrated default. */
+  minConfidence: number | undefined;
   suffixTokens: number | undefined;
   crossFileTokens: number | undefined;
   timeoutMs: number | undefined;
@@ -46,6 +48,7 @@ export const DEFAULT_SETTINGS: EmberSettings = {
   temperature: undefined,
   earlyAnswerMs: undefined,
   maxRequestsPerSecond: undefined,
+  minConfidence: undefined,
   suffixTokens: undefined,
   crossFileTokens: undefined,
   timeoutMs: undefined,
@@ -100,6 +103,7 @@ export function readSettings(get: (key: string) => unknown): EmberSettings {
     temperature: num(get('temperature'), false),
     earlyAnswerMs: num(get('earlyAnswerMs'), true),
     maxRequestsPerSecond: num(get('maxRequestsPerSecond'), false),
+    minConfidence: num(get('minConfidence'), false),
     suffixTokens: num(get('suffixTokens'), true),
     crossFileTokens: num(get('crossFileTokens'), true),
     timeoutMs: num(get('timeoutMs'), true),
@@ -126,6 +130,7 @@ export function toInitializationOptions(s: EmberSettings): Record<string, unknow
   if (s.temperature !== undefined) o.temperature = s.temperature;
   if (s.earlyAnswerMs !== undefined) o.earlyAnswerMs = s.earlyAnswerMs;
   if (s.maxRequestsPerSecond !== undefined) o.maxRequestsPerSecond = s.maxRequestsPerSecond;
+  if (s.minConfidence !== undefined) o.minConfidence = s.minConfidence;
   if (s.suffixTokens !== undefined) o.suffixTokens = s.suffixTokens;
   if (s.crossFileTokens !== undefined) o.crossFileTokens = s.crossFileTokens;
   if (s.timeoutMs !== undefined) o.timeoutMs = s.timeoutMs;

@@ -64,6 +64,7 @@ describe('toInitializationOptions', () => {
         temperature: 0,
         earlyAnswerMs: 0,
         maxRequestsPerSecond: 5.5,
+        minConfidence: 0.3,
         token: 's3cret',
         serverPath: '/opt/ember',
         tcp: 'gpu:7777',
@@ -79,6 +80,7 @@ describe('toInitializationOptions', () => {
       temperature: 0,
       earlyAnswerMs: 0,
       maxRequestsPerSecond: 5.5,
+      minConfidence: 0.3,
       token: 's3cret',
     });
   });
