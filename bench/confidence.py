@@ -68,14 +68,8 @@ def calibration(weights: list[float], threshold: float) -> Calibration:
 
 
 def confidence_of(record: dict[str, Any], model: Calibration) -> float:
-    """The gate's confidence for a record (a judged answer: features known)."""
-    score = (
-        model.bias
-        + model.min_weight * record["logprob_min"]
-        + model.mean_weight * record["logprob_mean"]
-        + model.length_weight * math.log1p(record["kept_tokens"])
-    )
-    return 1 / (1 + math.exp(-max(-60.0, min(60.0, score))))
+    """The gate's confidence for a recorded answer (ember's own formula)."""
+    return model.probability_of(record["logprob_min"], record["logprob_mean"], record["kept_tokens"])
 
 
 def point(records: list[dict[str, Any]], model: Calibration, threshold: float) -> dict[str, Any]:

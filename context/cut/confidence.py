@@ -60,12 +60,12 @@ class Calibration:
     def probability(self, logprobs: Sequence[float]) -> float:
         if not logprobs:
             return 0.0
-        score = (
-            self.bias
-            + self.min_weight * min(logprobs)
-            + self.mean_weight * sum(logprobs) / len(logprobs)
-            + self.length_weight * math.log1p(len(logprobs))
-        )
+        return self.probability_of(min(logprobs), sum(logprobs) / len(logprobs), len(logprobs))
+
+    def probability_of(self, lowest: float, mean: float, tokens: int) -> float:
+        """The same from the kept text's lowest and mean log-probability and its token count
+        (what ``ember/stats`` reports, so that bench/confidence.py scores recorded answers)."""
+        score = self.bias + self.min_weight * lowest + self.mean_weight * mean + self.length_weight * math.log1p(tokens)
         return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, score))))
 
 
