@@ -3,7 +3,7 @@ ember's own request path, generated in one batch on one embedded engine (greedy)
 bench/crossfile.py scores the server's answers. For choosing a variant; the server run
 (bench/crossfile.py) confirms the chosen one.
 
-    .venv/bin/python bench/crossfile_batch.py --model qwen-coder --repos DIR [--limit 8] \
+    .venv/bin/python bench/crossfile_batch.py --model qwen-coder --repos DIR [--limit 8 [--skip N]] \
         [--variants off,tab,workspace,oracle] [--out bench/results/crossfile-batch.json]
 
 The path per case and variant is the completer's: ``site_at`` -> ``strategy("ast", "syntax")`` ->
@@ -528,6 +528,9 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"engine ready in {time.perf_counter() - started:.0f} s (max_model_len {engine.model.max_model_len})", flush=True)
     template = choose_template(engine.model.special_tokens, engine.model.name, None)
     selected = select(load_cases(CASES), args.limit)
+    if args.skip:  # the stratified choice is prefix-stable: --limit 16 --skip 8 is the next 8
+        done = {c.id for cases in select(load_cases(CASES), args.skip).values() for c in cases}
+        selected = {package: [c for c in cases if c.id not in done] for package, cases in selected.items()}
     indexes: dict[Path, WorkspaceIndex] = {}
     views: list[CaseView] = []
     for package, cases in selected.items():
@@ -563,6 +566,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 "model": label,
                 "cases": len(views),
                 "limit_per_package": args.limit,
+                "skip_per_package": args.skip,
                 "variants": names,
                 "seconds": round(elapsed),
                 "summary": summary,
@@ -584,6 +588,7 @@ def main() -> int:
     parser.add_argument("--model", default="qwen-coder")
     parser.add_argument("--repos", type=Path, default=CACHE / "crossfile-repos")
     parser.add_argument("--limit", type=int, help="cases per package (bench/crossfile.py's stratified choice)")
+    parser.add_argument("--skip", type=int, default=0, help="leave out the cases that --limit SKIP would choose")
     parser.add_argument("--variants", default="off,tab,oracle,workspace")
     parser.add_argument("--parallel", type=int, default=16, help="requests in flight (vLLM batches them)")
     parser.add_argument("--kv-cache-gib", type=int, default=4)

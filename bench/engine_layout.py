@@ -1,11 +1,13 @@
-"""vLLM's process layout on the CPU: the model in a worker process of its own, or in the engine core.
+"""vLLM's process layout on the CPU: the model in a worker process of its own, or in the engine core,
+and that engine core spawned or forked from ember's fork server.
 
-    .venv/bin/python bench/engine_layout.py [--runs 2] [--out bench/results/engine-layout.json]
+    .venv/bin/python bench/engine_layout.py [--runs 2] [--layouts mp,inproc] [--out bench/results/engine-layout.json]
 
 Each run is a fresh Python process that starts ember's EmbeddedEngine on the bundled model (as the
 server does: ember's CPU defaults, float32 where the CPU has no bf16 arithmetic) and measures
 
 - ``start_s``: from the process's first line to the engine ready (imports, spawns, weights, warm-up);
+- ``first_request_s``: the first request (4 tokens) once ready;
 - ``processes``: the process and its descendants once ready;
 - ``prefill_tok_s``: prompt tokens per second of 6 prompts of ~1,000 tokens, 1 token each (median);
 - ``decode_tok_s``: tokens per second after the first, 64 tokens, batch 1 (median of 3);
@@ -14,8 +16,12 @@ server does: ember's CPU defaults, float32 where the CPU has no bf16 arithmetic)
 - ``loop_lag_ms_max``: the event loop's worst delay on a 10 ms timer while a 1,000-token prompt
   prefills and decodes (the engine must not block the server's loop).
 
-Layouts alternate run by run (``mp``: vLLM's default, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``;
-``inproc``: ``=0``, ember's CPU default). Prints a table (medians) and writes JSON.
+Every request asks for log-probabilities, as ember's completions do. Layouts alternate run by run
+(and which goes first alternates): ``mp``: vLLM's default, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``;
+``inproc``: ``=0``, the engine core spawned; ``fork``: ``=0``, the engine core forked from ember's
+fork server (engine/core_fork.py); those three with ``TORCH_COMPILE_DISABLE=0``;
+``fork+nocompile``: ember's CPU default (fork, and ``TORCH_COMPILE_DISABLE=1`` in eager mode).
+Prints a table (medians, and each layout's ratio to the first) and writes JSON.
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYOUTS = {"mp": "1", "inproc": "0"}
+# Each layout is the environment of a fresh process (ember's own defaults fill in the rest).
+LAYOUTS: dict[str, dict[str, str]] = {
+    "mp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "EMBER_ENGINE_FORKSERVER": "0", "TORCH_COMPILE_DISABLE": "0"},
+    "inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "EMBER_ENGINE_FORKSERVER": "0", "TORCH_COMPILE_DISABLE": "0"},
+    "fork": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "EMBER_ENGINE_FORKSERVER": "1", "TORCH_COMPILE_DISABLE": "0"},
+    "fork+nocompile": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "EMBER_ENGINE_FORKSERVER": "1"},
+}
 
 
 async def probe(started: float) -> dict[str, Any]:
@@ -53,12 +65,13 @@ async def probe(started: float) -> dict[str, Any]:
         t0 = time.monotonic()
         first: float | None = None
         tokens = 0
-        async for chunk in engine.stream(prompt, GenerationParams(max_tokens=max_tokens), request_id):
+        # With log-probabilities, as ember asks for every completion (the confidence gate).
+        async for chunk in engine.stream(prompt, GenerationParams(max_tokens=max_tokens, logprobs=True), request_id):
             first = time.monotonic() - t0 if first is None else first
             tokens += chunk.token_count
         return first or 0.0, time.monotonic() - t0, tokens
 
-    await generate("def f(x):", 4, "warm")
+    result["first_request_s"] = (await generate("def f(x):", 4, "warm"))[1]
     rates = []
     for i in range(6):
         prompt = text[i * 500 : i * 500 + 4000]
@@ -99,7 +112,7 @@ async def probe(started: float) -> dict[str, Any]:
 
 
 def run_one(layout: str) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": LAYOUTS[layout], "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **LAYOUTS[layout], "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, __file__, "--probe"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -110,23 +123,28 @@ def run_one(layout: str) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--layouts", default="mp,inproc", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "engine-layout.json")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(asyncio.run(probe(STARTED))), flush=True)
         return 0
-    runs: dict[str, list[dict[str, Any]]] = {layout: [] for layout in LAYOUTS}
-    for _ in range(args.runs):
-        for layout in LAYOUTS:
+    layouts = args.layouts.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {layout: [] for layout in layouts}
+    for i in range(args.runs):
+        for layout in layouts if i % 2 == 0 else reversed(layouts):
             runs[layout].append(run_one(layout))
             print(layout, json.dumps({k: round(v, 3) for k, v in runs[layout][-1].items()}), flush=True)
-    keys = list(runs["mp"][0])
+    keys = list(runs[layouts[0]][0])
     medians = {layout: {k: statistics.median(r[k] for r in rs) for k in keys} for layout, rs in runs.items()}
-    print(f"\n{'':22}" + "".join(f"{layout:>12}" for layout in LAYOUTS) + f"{'inproc/mp':>12}")
+    first = layouts[0]
+    header = "".join(f"{layout:>16}" for layout in layouts) + "".join(f"{name + '/' + first:>22}" for name in layouts[1:])
+    print(f"\n{'':22}{header}")
     for key in keys:
-        mp, inproc = medians["mp"][key], medians["inproc"][key]
-        print(f"{key:22}{mp:12.2f}{inproc:12.2f}{inproc / mp if mp else float('nan'):12.2f}")
+        values = [medians[layout][key] for layout in layouts]
+        ratios = [v / values[0] if values[0] else float("nan") for v in values[1:]]
+        print(f"{key:22}" + "".join(f"{v:16.2f}" for v in values) + "".join(f"{r:22.2f}" for r in ratios))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit, "model": "bundled (SmolLM2-135M)",
               "cores": os.cpu_count(), "runs": runs, "medians": medians}

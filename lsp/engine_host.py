@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -177,23 +178,25 @@ def default_engine_factory(settings: Settings, progress: LoadProgress, *, long_l
             first_token_timeout=max(2.0, deadline_s / 3),
             read_timeout=max(5.0, deadline_s / 2),
         )
-    from engine.embedded import EmbeddedConfig, EmbeddedEngine
+    from engine.embedded import EmbeddedConfig, EmbeddedEngine, eager_on_cpu, prestart
     from engine.models import resolve_model
 
+    config = EmbeddedConfig(
+        model_path="",  # resolved below
+        model_name="",
+        prefix_caching=settings.prefix_cache,
+        long_lived=long_lived,
+        engine_args=settings.engine_arg_dict(),
+    )
+    prestart(eager_on_cpu(config))  # the engine core's imports begin beside resolving the model
     started = time.monotonic()
     model = resolve_model(settings.model, progress=progress)
     log.info("model %s (%s: %s), resolved in %.1f s", model.name, model.source, model.path, time.monotonic() - started)
     if model.fallback_reason:
         progress.set_fallback(model.fallback_reason)
     progress.set("loading", model.name)
-    config = EmbeddedConfig(
-        model_path=model.path,
-        model_name=model.name,
-        prefix_caching=settings.prefix_cache,
-        long_lived=long_lived,
-        engine_args=settings.engine_arg_dict(),
-    )
-    return EmbeddedEngine(config)
+    config = dataclasses.replace(config, model_path=model.path, model_name=model.name)
+    return EmbeddedEngine(config, on_stage=lambda stage: progress.set(stage, model.name))
 
 
 async def close_and_exit(core: EmberCore, code: int, grace_s: float = 4.0) -> None:

@@ -35,10 +35,10 @@ async def report_loading(ls: EmberServer) -> None:
 
 
 async def show_loading_progress(ls: EmberServer) -> None:
-    """One indeterminate progress for getting the model ready (its message names the stage), and
-    while the model downloads a second one with bytes and a percentage: LSP lets a client ignore
-    percentages in reports unless the begin had one, and the load as a whole has none to give.
-    Returns when the engine is loaded or failed to load."""
+    """One progress for getting the model ready, its message naming the stage and its percentage
+    where that stage begins in a typical cold start (:data:`engine.models.STAGE_PERCENT`), and
+    while the model downloads a second one with bytes and a percentage of the download. Returns
+    when the engine is loaded or failed to load."""
     core = ls.core
     window = ls.client_capabilities.window if ls.client_capabilities else None
     if not (window and window.work_done_progress):
@@ -49,7 +49,8 @@ async def show_loading_progress(ls: EmberServer) -> None:
         await core.wait_ready()
         return
     shown = core.load_progress.current()
-    ls.work_done_progress.begin(token, types.WorkDoneProgressBegin(title="ember", message=shown.describe()))
+    begin = types.WorkDoneProgressBegin(title="ember", message=shown.describe(), percentage=shown.overall_percent())
+    ls.work_done_progress.begin(token, begin)
     download: str | None = None
     waiting = asyncio.ensure_future(core.wait_ready())
     while not waiting.done():
@@ -61,7 +62,8 @@ async def show_loading_progress(ls: EmberServer) -> None:
             report = types.WorkDoneProgressReport(message=state.describe(), percentage=state.percent())
             ls.work_done_progress.report(download, report)
         elif state.stage == "downloading" and shown.stage != "downloading":
-            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=f"downloading {state.model}"))
+            report = types.WorkDoneProgressReport(message=f"downloading {state.model}", percentage=state.overall_percent())
+            ls.work_done_progress.report(token, report)
             download = await new_progress_token(ls, "ember-download")
             if download is not None:
                 begin = types.WorkDoneProgressBegin(title="ember", message=state.describe(), percentage=state.percent() or 0)
@@ -70,7 +72,8 @@ async def show_loading_progress(ls: EmberServer) -> None:
             if download is not None:
                 ls.work_done_progress.end(download, types.WorkDoneProgressEnd(message=f"downloaded {shown.model}"))
                 download = None
-            ls.work_done_progress.report(token, types.WorkDoneProgressReport(message=state.describe()))
+            report = types.WorkDoneProgressReport(message=state.describe(), percentage=state.overall_percent())
+            ls.work_done_progress.report(token, report)
         shown = state
     ready = waiting.result()
     if download is not None:

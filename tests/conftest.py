@@ -220,6 +220,16 @@ def stop_daemons(runtime_dir: Path) -> None:
         process.kill()
 
 
+@pytest.fixture
+def runtime() -> Iterator[Path]:
+    """A runtime directory ($XDG_RUNTIME_DIR) of the test's own, for daemon sockets (short: Unix
+    socket paths are limited to 108 bytes); its daemons are stopped afterwards."""
+    directory = Path(tempfile.mkdtemp(prefix="ed-"))
+    yield directory
+    stop_daemons(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_daemon_left_behind():
     yield

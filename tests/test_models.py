@@ -83,10 +83,11 @@ def fallback_seconds(log: str) -> float:
 
 
 async def loading(client: LanguageClient, model: str, timeout_s: float = 120.0) -> None:
-    """Waits until the editor's load progress says ``loading <model>``: the model is resolved and
-    the engine is starting on it."""
+    """Waits until the editor's load progress says ``loading <model>`` (or a stage of it): the model
+    is resolved and the engine is starting on it."""
     deadline = time.monotonic() + timeout_s
-    while not any(f"loading {model}" == (getattr(r, "message", None) or "") for r in sum(progress(client, "ember-load"), [])):
+    messages = lambda: [getattr(r, "message", None) or "" for r in sum(progress(client, "ember-load"), [])]  # noqa: E731
+    while not any(m == f"loading {model}" or m.startswith(f"loading {model}: ") for m in messages()):
         assert time.monotonic() < deadline, client.progress_reports
         await asyncio.sleep(0.1)
 
@@ -140,10 +141,14 @@ async def test_default_model_downloads_with_progress_then_starts_from_the_cache(
         try:
             current = await wait_ready(client)
             assert current["engine"]["model"] == HUB_ID
-            # The load: one indeterminate progress naming each stage, from the download to ready.
+            # The load: one progress naming each stage, from the download to ready, with the
+            # percentage where each stage begins.
             reports = load_reports(client)
             stages = [r.message for r in reports[1:-1]]
-            assert f"downloading {HUB_ID}" in stages and stages[-1] == f"loading {HUB_ID}", stages
+            starting = f"loading {HUB_ID}: starting the engine (weights, KV cache, warm-up)"
+            assert f"downloading {HUB_ID}" in stages and stages[-2:] == [f"loading {HUB_ID}: importing vLLM", starting], stages
+            percents = [r.percentage for r in reports[:-1]]
+            assert None not in percents and percents == sorted(percents) and percents[-1] == 65, percents
             assert isinstance(reports[-1], types.WorkDoneProgressEnd) and "ready" in reports[-1].message
             # The download: a progress of its own with megabytes and a percentage.
             (download,) = progress(client, "ember-download")
