@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import ssl
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ from engine.routing import (
     parse_prometheus,
     probe_delay,
     redact_url,
+    router_workers,
+    session_id,
 )
 from engine.sse import DONE, Malformed, Usage, choice_logprobs, choice_text, decode_event, events, int_or_none, parse_usage
 
@@ -62,11 +65,20 @@ class ApproxTokenizer:
 
 
 class _AttemptFailed(Exception):
-    """The replica failed before any text reached the caller: another replica may serve it."""
+    """The replica failed before any text reached the caller: another replica may serve it.
 
-    def __init__(self, message: str, *, mark_down: bool = True) -> None:
+    ``retry``: the same servers may serve it a moment later: an HTTP 5xx (a router whose worker
+    just died answers 500 until its health check notices) or a connection that broke; a refused
+    connection or a missed deadline is not retried."""
+
+    def __init__(self, message: str, *, mark_down: bool = True, retry: bool = False) -> None:
         super().__init__(message)
         self.mark_down = mark_down
+        self.retry = retry
+
+
+class _Broken(Exception):
+    """The stream broke after text had reached the caller: the rest must be resumed."""
 
 
 @dataclass
@@ -111,6 +123,7 @@ class ReplicaStatus:
     running: float | None
     kv_usage: float | None
     last_error: str | None
+    router_workers: tuple[int, int] | None  # (healthy, total) when it is a router
 
 
 def _describe(exc: BaseException) -> str:
@@ -156,6 +169,8 @@ class RemoteEngine:
         default_max_model_len: int = 2048,
         max_connections: int = 64,
         verify: bool | str | ssl.SSLContext = True,
+        max_resumes: int = 2,
+        retry_backoff: tuple[float, ...] = (0.25, 0.5, 1.0),
     ) -> None:
         """``connect_timeout``: TCP/TLS connect. ``first_token_timeout``: request sent -> first
         text (queueing and prefill included); past it the replica counts as failed and the next one
@@ -163,7 +178,9 @@ class RemoteEngine:
         ``probe_*``: backoff of the background probe that brings a down replica back.
         ``metrics_interval``: how often live replicas' /metrics are read (only with several
         replicas); ``silent_polls_down`` polls in a row without an answer take a replica out.
-        ``verify``: TLS verification: True (system CAs), False, a CA bundle path or an SSLContext."""
+        ``verify``: TLS verification: True (system CAs), False, a CA bundle path or an SSLContext.
+        ``max_resumes``: how often a stream that broke mid-way is resumed elsewhere.
+        ``retry_backoff``: pauses before repeating a round in which every replica answered 5xx."""
         if not urls:
             raise ValueError("RemoteEngine needs at least one URL")
         self.replicas = [Replica(url=u, name=redact_url(u)) for u in dict.fromkeys(normalize_url(u) for u in urls)]
@@ -186,6 +203,12 @@ class RemoteEngine:
         self._model: ModelInfo | None = None
         self._tokenizer: Tokenizer | None = None
         self._active: dict[str, _Active] = {}
+        self._streams: set[str] = set()  # request ids whose stream() runs
+        self._aborted: set[str] = set()  # of those, aborted between two attempts
+        self.max_resumes = max_resumes
+        self.retry_backoff = retry_backoff
+        self.resumed = 0  # streams resumed after a break
+        self.retried = 0  # rounds repeated after every replica failed with a 5xx
         self._monitor: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -216,6 +239,7 @@ class RemoteEngine:
         if not alive:
             reasons = "; ".join(f"{r.name}: {r.last_error}" for r in self.replicas)
             raise EngineError(self._scrub(f"no engine server answered ({reasons})"))
+        await asyncio.gather(*(self._read_workers(r) for r, _ in alive))
         name, lengths, roots = self._pick_model(alive)
         hf_tok = await self._load_tokenizer(name, roots)
         special: frozenset[str] = frozenset()
@@ -235,33 +259,88 @@ class RemoteEngine:
             "remote engine: model %s (max_model_len %d) on %d of %d replicas: %s",
             name, max_len, len(alive), len(self.replicas), ", ".join(r.name for r, _ in alive),
         )
+        for r, _ in alive:
+            if r.router_workers is not None:
+                log.info("%s is a router with %d of %d workers healthy", r.name, *r.router_workers)
 
     async def stream(
         self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
     ) -> AsyncGenerator[Chunk, None]:
+        """Chunks of the completion (see :meth:`_serve` for the choice of replica). A stream that
+        breaks after text has been yielded is resumed: the prompt plus the text so far, for the
+        tokens left, on the next replica (or through the same router, on another worker), up to
+        ``max_resumes`` times; with greedy decoding it goes on as the broken stream would have."""
         if not self.ready:
             raise EngineNotReady("not connected to the engine server yet")
-        body = self._body(prompt, params)
+        sent, tokens, broken = "", 0, ""
+        self._streams.add(request_id)
+        try:
+            for resumes in range(self.max_resumes + 1):
+                if tokens >= params.max_tokens:  # it broke after the last token
+                    yield Chunk(text="", finish_reason="length")
+                    return
+                left = replace(params, max_tokens=params.max_tokens - tokens)
+                try:
+                    served = self._serve(self._body(prompt + sent, left), request_id, routing_key)
+                    async with contextlib.aclosing(served) as chunks:
+                        async for chunk in chunks:
+                            sent += chunk.text
+                            tokens += chunk.token_count
+                            yield chunk
+                    return
+                except _Broken as exc:
+                    broken = self._scrub(str(exc))
+                    if resumes == self.max_resumes:
+                        raise EngineError(broken) from exc
+                    self.resumed += 1
+                    log.warning("request %s: %s; resuming after %d tokens", request_id, broken, tokens)
+                except EngineError as exc:
+                    if not broken:
+                        raise
+                    raise EngineError(f"{broken}; resuming it failed: {exc}") from exc
+        finally:
+            self._streams.discard(request_id)
+            self._aborted.discard(request_id)
+
+    async def _serve(self, body: dict[str, Any], request_id: str, routing_key: str | None) -> AsyncGenerator[Chunk, None]:
+        """Chunks from the first replica (in :func:`order`) that serves ``body``. A failure before
+        the first token moves on to the next replica; when every replica failed and a moment may
+        cure it (HTTP 5xx: a router whose worker just died answers 500 until its health check
+        notices), the round is repeated after a backoff while the first-token deadline allows.
+        Raises :class:`_Broken` when the stream breaks after text was yielded."""
+        headers = {"X-Session-ID": session_id(routing_key)} if routing_key is not None else {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.first_token_timeout
         failures: list[str] = []
-        for replica in order(self.replicas, routing_key, request_id, self.load_policy):
-            try:
-                async with contextlib.aclosing(self._attempt(replica, body, request_id)) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
-                replica.failures = 0
-                return
-            except _AttemptFailed as exc:
-                # Only raised while nothing had been yielded: the next replica can start afresh.
-                message = self._scrub(str(exc))
-                failures.append(message)
-                if exc.mark_down:
-                    self._mark_down(replica, message)
-                log.info("request %s: %s; trying the next replica", request_id, message)
+        for backoff in (*self.retry_backoff, None):
+            retry = False
+            for replica in order(self.replicas, routing_key, request_id, self.load_policy):
+                if request_id in self._aborted:
+                    return
+                try:
+                    async with contextlib.aclosing(self._attempt(replica, body, request_id, headers)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    replica.failures = 0
+                    return
+                except _AttemptFailed as exc:
+                    message = self._scrub(str(exc))
+                    failures.append(message)
+                    retry = retry or exc.retry
+                    if exc.mark_down:
+                        self._mark_down(replica, message)
+                    log.info("request %s: %s; trying the next replica", request_id, message)
+            if not retry or backoff is None or loop.time() + backoff >= deadline:
+                break
+            self.retried += 1
+            await asyncio.sleep(backoff)
         raise EngineError(self._scrub("no engine server could serve the request: " + "; ".join(failures)))
 
     async def abort(self, request_id: str) -> None:
         active = self._active.get(request_id)
         if active is None:
+            if request_id in self._streams:
+                self._aborted.add(request_id)  # between two attempts: start no other
             return  # already finished, like vLLM's abort of an unknown id
         active.aborted = True
         active.producer.cancel()
@@ -283,9 +362,29 @@ class RemoteEngine:
 
     def replica_status(self) -> list[ReplicaStatus]:
         return [
-            ReplicaStatus(r.name, r.up, r.failures, r.inflight, r.waiting, r.running, r.kv_usage, r.last_error)
+            ReplicaStatus(
+                r.name, r.up, r.failures, r.inflight, r.waiting, r.running, r.kv_usage, r.last_error, r.router_workers
+            )
             for r in self.replicas
         ]
+
+    @property
+    def behind_router(self) -> bool:
+        """Whether a router (vllm-router, SGLang's gateway) stands between ember and the engines."""
+        return any(r.router_workers is not None for r in self.replicas)
+
+    def engine_stats(self) -> dict[str, Any]:
+        """For ``ember/stats`` and Prometheus: the replicas, whether a router is in front and how
+        many of its workers are healthy, and how often streams were resumed or rounds repeated."""
+        workers = [r.router_workers for r in self.replicas if r.router_workers is not None]
+        return {
+            "replicas": [dataclasses.asdict(s) for s in self.replica_status()],
+            "router": self.behind_router,
+            "router_workers_healthy": sum(h for h, _ in workers) if workers else None,
+            "router_workers": sum(t for _, t in workers) if workers else None,
+            "resumed": self.resumed,
+            "retried": self.retried,
+        }
 
     def route(self, routing_key: str | None, request_id: str = "") -> list[str]:
         """The replicas (redacted URLs) a request with this key would try now, in order."""
@@ -309,13 +408,15 @@ class RemoteEngine:
             body["logprobs"] = 0  # the sampled tokens' own, no alternatives
         return body
 
-    async def _produce(self, replica: Replica, body: dict[str, Any], request_id: str, queue: asyncio.Queue[Any]) -> None:
+    async def _produce(
+        self, replica: Replica, body: dict[str, Any], headers: dict[str, str], queue: asyncio.Queue[Any]
+    ) -> None:
         """Reads one HTTP response into ``queue``; always ends with an :class:`_End`."""
         assert self._client is not None
         try:
             async with self._client.stream(
                 # A UUID: llama-cpp-python's server answers HTTP 400 to any other X-Request-Id.
-                "POST", f"{replica.url}/v1/completions", json=body, headers={"X-Request-Id": str(uuid.uuid4())}
+                "POST", f"{replica.url}/v1/completions", json=body, headers={**headers, "X-Request-Id": str(uuid.uuid4())}
             ) as response:
                 if response.status_code >= 400:
                     raise self._status_error(replica, response.status_code, await response.aread())
@@ -333,7 +434,7 @@ class RemoteEngine:
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             queue.put_nowait(_End(_AttemptFailed(f"cannot connect to {replica.name} ({_describe(exc)})")))
         except httpx.HTTPError as exc:  # read/write errors, protocol errors, a closed connection
-            queue.put_nowait(_End(_AttemptFailed(f"the connection to {replica.name} failed ({_describe(exc)})")))
+            queue.put_nowait(_End(_AttemptFailed(f"the connection to {replica.name} failed ({_describe(exc)})", retry=True)))
         except Malformed as exc:
             queue.put_nowait(_End(_AttemptFailed(f"{replica.name} sent a malformed stream: {exc}")))
         except (_AttemptFailed, EngineError) as exc:
@@ -345,20 +446,22 @@ class RemoteEngine:
         detail = body[:300].decode("utf-8", "replace").strip()
         message = f"{replica.name} answered HTTP {status}: {detail}"
         if status >= 500:
-            return _AttemptFailed(message)
+            return _AttemptFailed(message, retry=True)
         if status in (408, 429):  # busy, not broken: try another replica but keep this one in
             return _AttemptFailed(message, mark_down=False)
         # 4xx: the request itself is wrong (bad model name, prompt too long): no replica will take it.
         return EngineError(self._scrub(message))
 
-    async def _attempt(self, replica: Replica, body: dict[str, Any], request_id: str) -> AsyncGenerator[Chunk, None]:
-        """Chunks from one replica. Raises _AttemptFailed only while no text has been yielded.
+    async def _attempt(
+        self, replica: Replica, body: dict[str, Any], request_id: str, headers: dict[str, str]
+    ) -> AsyncGenerator[Chunk, None]:
+        """Chunks from one replica. Raises _AttemptFailed while no text has been yielded, _Broken after.
 
         Text chunks count one token each (one SSE event is one decode step on vLLM and llama.cpp);
         the last chunk, empty, carries finish_reason and the server's usage: prompt_tokens,
         cached_tokens, and the token count that makes the total equal ``completion_tokens``."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        producer = asyncio.create_task(self._produce(replica, body, request_id, queue))
+        producer = asyncio.create_task(self._produce(replica, body, headers, queue))
         active = _Active(producer, replica)
         self._active[request_id] = active
         replica.inflight += 1
@@ -410,7 +513,7 @@ class RemoteEngine:
             if progress.yielded:
                 message = f"no token for {self.read_timeout:g} s after {progress.yielded} chunks"
                 self._mark_down(replica, self._scrub(f"{replica.name} stalled: {message}"))
-                raise EngineError(f"the stream from {replica.name} broke mid-stream: {message}") from None
+                raise _Broken(f"the stream from {replica.name} broke mid-stream: {message}") from None
             raise _AttemptFailed(f"{replica.name} sent no token within {self.first_token_timeout:g} s") from None
 
     def _check_end(self, end: _End, replica: Replica, progress: _Progress) -> None:
@@ -424,7 +527,7 @@ class RemoteEngine:
             # The caller already has part of the text: it cannot be replayed elsewhere.
             self._mark_down(replica, self._scrub(str(end.error)))
             message = f"the stream from {replica.name} broke mid-stream after {progress.yielded} chunks: {end.error}"
-            raise EngineError(self._scrub(message)) from end.error
+            raise _Broken(self._scrub(message)) from end.error
         raise end.error
 
     def _text_chunks(self, event: dict[str, Any], replica: Replica, progress: _Progress) -> list[Chunk]:
@@ -456,11 +559,11 @@ class RemoteEngine:
             if not progress.done:
                 if progress.yielded:
                     self._mark_down(replica, f"{replica.name} closed a stream before it finished")
-                    raise EngineError(
+                    raise _Broken(
                         f"the stream from {replica.name} broke mid-stream after {progress.yielded} chunks: "
                         "the connection closed before the completion finished"
                     )
-                raise _AttemptFailed(f"{replica.name} closed the stream without a completion")
+                raise _AttemptFailed(f"{replica.name} closed the stream without a completion", retry=True)
             final = Chunk(text="", finish_reason="stop")  # [DONE] without a finish_reason
         usage = progress.usage
         if usage is not None:
@@ -565,6 +668,16 @@ class RemoteEngine:
             return
         self._mark_down(replica, self._scrub(f"probe of {replica.name} failed ({reason})"))
 
+    async def _read_workers(self, replica: Replica) -> None:
+        """Notes whether ``replica`` is a router (its ``/workers`` lists workers) and how many of
+        them are healthy; a plain vLLM server answers 404."""
+        assert self._client is not None
+        try:
+            response = await self._client.get(f"{replica.url}/workers", timeout=self._probe_timeouts())
+            replica.router_workers = router_workers(response.json()) if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            pass  # unknown this time: keep what was known
+
     async def _poll_metrics(self, replica: Replica) -> None:
         assert self._client is not None
         loop = asyncio.get_running_loop()
@@ -605,14 +718,16 @@ class RemoteEngine:
             for r in self.replicas:
                 if not r.up and now >= r.next_probe:
                     jobs.append(self._probe(r))
+                elif r.up and r.router_workers is not None and now >= r.metrics_due:
+                    r.metrics_due = now + self.metrics_interval
+                    jobs.append(self._read_workers(r))
                 elif r.up and multi and r.has_metrics and now >= r.metrics_due:
                     jobs.append(self._poll_metrics(r))
             if jobs:
                 await asyncio.gather(*jobs, return_exceptions=True)
             now = loop.time()
             dues = [r.next_probe for r in self.replicas if not r.up]
-            if multi:
-                dues += [r.metrics_due for r in self.replicas if r.up and r.has_metrics]
+            dues += [r.metrics_due for r in self.replicas if r.up and ((multi and r.has_metrics) or r.router_workers is not None)]
             delay = min(dues, default=now + 60.0) - now
             self._wake.clear()
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.

@@ -30,6 +30,9 @@ class Replica:
     has_metrics: bool = True  # False once /metrics answered 404: stop asking
     silent_polls: int = 0  # /metrics polls in a row that got no answer
     metrics_due: float = 0.0
+    # A router in front of workers of its own (vllm-router, SGLang's gateway: their /workers
+    # lists them): (healthy, total) workers; None for a plain server.
+    router_workers: tuple[int, int] | None = None
 
 
 def normalize_url(url: str) -> str:
@@ -52,6 +55,21 @@ def redact_url(url: str) -> str:
     if parts.port is not None:
         host = f"{host}:{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def session_id(routing_key: str) -> str:
+    """The ``X-Session-ID`` header for a routing key: routers with session affinity
+    (vllm-router's ``consistent_hash``) keep a document's prefix on one worker with it; a digest,
+    so that file paths do not reach the router's logs."""
+    return hashlib.blake2b(routing_key.encode(), digest_size=12).hexdigest()
+
+
+def router_workers(answer: object) -> tuple[int, int] | None:
+    """(healthy, total) from a router's ``/workers`` answer; None when it is not one."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("workers"), list):
+        return None
+    workers = [w for w in answer["workers"] if isinstance(w, dict)]
+    return sum(1 for w in workers if w.get("is_healthy", True)), len(workers)
 
 
 def hrw_score(key: str, replica_id: str) -> int:

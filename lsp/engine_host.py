@@ -174,8 +174,9 @@ def default_engine_factory(settings: Settings, progress: LoadProgress, *, long_l
         return RemoteEngine(
             list(settings.engine_url),
             settings.model,
-            # Fail over to another replica early enough to still answer within the deadline.
-            first_token_timeout=max(2.0, deadline_s / 3),
+            # Fail over to another replica early enough to still answer within the deadline; one
+            # URL (a lone server, or a router that fails over itself) may take all of it.
+            first_token_timeout=max(2.0, deadline_s / 3) if len(settings.engine_url) > 1 else deadline_s,
             read_timeout=max(5.0, deadline_s / 2),
         )
     from engine.embedded import EmbeddedConfig, EmbeddedEngine, eager_on_cpu, prestart

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from context.cut.confidence import Verdict
 
@@ -114,8 +115,9 @@ class Metrics:
         }
 
 
-def prometheus_text(metrics: Metrics) -> str:
-    """The aggregates in Prometheus' text format (for ``--metrics-port``)."""
+def prometheus_text(metrics: Metrics, engine: dict[str, Any] | None = None) -> str:
+    """The aggregates in Prometheus' text format (for ``--metrics-port``); ``engine``: a remote
+    engine's ``engine_stats()`` (whether a router is in front, its workers, resumed streams)."""
     summary = metrics.summary()
     lines = [
         "# TYPE ember_requests_total counter",
@@ -135,4 +137,14 @@ def prometheus_text(metrics: Metrics) -> str:
         lines.append(f"ember_{name}_count {dist['n']}")
     if summary["cache_hit_rate"] is not None:
         lines += ["# TYPE ember_cache_hit_rate gauge", f"ember_cache_hit_rate {summary['cache_hit_rate']}"]
+    if engine is not None and "router" in engine:
+        lines += ["# TYPE ember_engine_behind_router gauge", f"ember_engine_behind_router {int(bool(engine['router']))}"]
+        if engine.get("router_workers") is not None:
+            lines += [
+                "# TYPE ember_engine_router_workers gauge",
+                f'ember_engine_router_workers{{state="healthy"}} {engine["router_workers_healthy"]}',
+                f'ember_engine_router_workers{{state="all"}} {engine["router_workers"]}',
+            ]
+        for name in ("resumed", "retried"):
+            lines += [f"# TYPE ember_engine_{name}_total counter", f"ember_engine_{name}_total {engine.get(name, 0)}"]
     return "\n".join(lines) + "\n"

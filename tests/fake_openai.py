@@ -31,7 +31,10 @@ class FakeServer:
     port: int = field(default_factory=free_port)
     hang_everything: bool = False
     metrics_text: str | None = None  # None: /metrics is 404, as on llama.cpp or Ollama
+    workers: list[dict] | None = None  # a router's /workers list; None: 404, as on a plain server
+    failures_left: int = 1  # for "recovering": HTTP 500 this many times, then "good"
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    bodies: list[dict] = field(default_factory=list)  # the JSON of each POST /v1/completions
     _server: asyncio.AbstractServer | None = None
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
@@ -65,13 +68,19 @@ class FakeServer:
             lines = head.decode().split("\r\n")
             method, path, _ = lines[0].split(" ", 2)
             headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+            payload = b""
             if int(headers.get("content-length", 0)):
-                await reader.readexactly(int(headers["content-length"]))
+                payload = await reader.readexactly(int(headers["content-length"]))
             self.requests.append((method, path, headers))
+            if path == "/v1/completions" and payload:
+                self.bodies.append(json.loads(payload))
             if self.hang_everything:
                 await asyncio.sleep(3600)
             if path == "/v1/models":
                 body = json.dumps({"data": [{"id": "fake-model", "max_model_len": 1024}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            elif path == "/workers" and self.workers is not None:
+                body = json.dumps({"workers": self.workers, "total": len(self.workers)}).encode()
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
             elif path == "/metrics" and self.metrics_text is not None:
                 body = self.metrics_text.encode()
@@ -117,6 +126,14 @@ class FakeServer:
     async def _bad_request(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
         body = json.dumps({"error": {"message": f"prompt too long; you sent {headers.get('authorization')}"}}).encode()
         writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    async def _recovering(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        # A router whose worker just died: 500 until its health check takes the worker out.
+        if self.failures_left > 0:
+            self.failures_left -= 1
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\ndead")
+        else:
+            await self._good(writer, headers)
 
     async def _unavailable(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
         writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")

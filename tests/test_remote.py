@@ -206,8 +206,8 @@ async def test_http2_over_tls_multiplexes_on_one_connection(tls_cert: tuple[str,
         await server.stop()
     assert all(r.text == "over h2" for r in results) and later.text == "over h2"
     assert results[0].last.prompt_tokens == 3 and results[0].tokens == 2
-    # One TLS connection carried /v1/models and five concurrent or later streams.
-    assert server.connections == 1 and len(server.requests) == 6
+    # One TLS connection carried /v1/models, /workers (is it a router?) and five concurrent or later streams.
+    assert server.connections == 1 and len(server.requests) == 7
     assert all(h["authorization"] == "Bearer sk-h2-test" for h in server.requests)
 
 
@@ -232,6 +232,7 @@ class VllmServer:
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
             VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the model in the engine core, as ember's CPU engine
+            TORCH_COMPILE_DISABLE="1",  # eager, as the README's recipe: no compile on the first logprobs request
             VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}"),
         )
         cmd = [
@@ -308,12 +309,15 @@ def vllm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     model_path = request.getfixturevalue("model_path")
     logs = tmp_path_factory.mktemp("vllm")
     servers: list[VllmServer] = []
+    pair: Pair | None = None
     try:
         servers.append(VllmServer.launch(model_path, logs / "a.log"))
         servers.append(VllmServer.launch(model_path, logs / "b.log"))
-        yield Pair(model_path, *servers)
+        pair = Pair(model_path, *servers)
+        yield pair
     finally:
-        for server in servers:
+        # A test may have replaced a replica it killed.
+        for server in {id(s): s for s in [*servers, *((pair.a, pair.b) if pair else ())]}.values():
             server.shutdown()
 
 
@@ -511,19 +515,72 @@ async def test_fault_on_the_only_replica_is_a_clear_error(fault: str, message: s
 
 
 @pytest.mark.parametrize(("fault", "partial"), [("midstream", "hello"), ("stall", "partial")])
-async def test_break_after_text_is_an_error_and_the_next_request_works(fault: str, partial: str) -> None:
+async def test_break_after_text_resumes_on_the_next_replica(fault: str, partial: str) -> None:
+    """What was yielded stays yielded; the rest comes from another replica, which is asked to go
+    on from the prompt plus that text, for the tokens left."""
     async with fakes(fault, "good") as (bad, good), remote([bad.url, good.url]) as engine:
         key = key_for(engine, bad.url)
-        received: list[str] = []
         started = time.perf_counter()
-        with pytest.raises(EngineError, match="broke mid-stream"):
-            async for chunk in engine.stream("p", PARAMS, "r1", routing_key=key):
-                received.append(chunk.text)
-        assert "".join(received) == partial  # what was yielded stays yielded: no replay elsewhere
+        result = await collect(engine.stream("p", GenerationParams(max_tokens=8), "r1", routing_key=key))
+        assert result.text == partial + "from-1 ok"
         assert time.perf_counter() - started < engine.read_timeout + 0.8
-        assert good.completions == 0
+        assert [b["prompt"] for b in good.bodies] == ["p" + partial]
+        tokens_sent = 2 if fault == "midstream" else 1  # "hel", "lo": one token per event
+        assert good.bodies[0]["max_tokens"] == 8 - tokens_sent
+        assert engine.resumed == 1 and not status(engine, bad.url).up
         result = await collect(engine.stream("p", PARAMS, "r2", routing_key=key))
         assert result.text == "from-1 ok" and bad.completions == 1
+
+
+async def test_break_that_cannot_be_resumed_is_an_error_naming_the_replica() -> None:
+    async with fakes("midstream") as (bad,), remote([bad.url], max_resumes=1) as engine:
+        received: list[str] = []
+        with pytest.raises(EngineError, match="broke mid-stream") as err:
+            async for chunk in engine.stream("p", PARAMS, "r1"):
+                received.append(chunk.text)
+        # The lone replica is tried again (it is all there is) and breaks again: given up after one resume.
+        assert "".join(received) == "hellohello" and bad.completions == 2
+        assert bad.url in str(err.value)
+
+
+async def test_a_router_that_answers_500_is_asked_again_within_the_deadline() -> None:
+    """A router whose worker just died answers 500 (its retries hit the same dead worker) until its
+    health check takes the worker out; one URL, so ember asks it again after a short pause."""
+    async with fakes("recovering") as (router,), remote([router.url]) as engine:
+        router.failures_left = 2
+        started = time.perf_counter()
+        result = await collect(engine.stream("p", PARAMS, "r1", routing_key="file:///a.py#f"))
+        assert result.text == "from-0 ok" and router.completions == 3
+        assert time.perf_counter() - started < engine.first_token_timeout + 0.5
+        assert engine.retried == 2
+        # Every attempt carries the document's session id (for consistent_hash), never its path.
+        sessions = {h.get("x-session-id") for _, path, h in router.requests if path == "/v1/completions"}
+        assert len(sessions) == 1 and None not in sessions and "a.py" not in sessions.pop()
+
+
+async def test_a_router_that_restarts_is_an_error_at_once_then_serves_without_a_restart() -> None:
+    async with fakes("good") as (router,), remote([router.url], probe_initial=30.0) as engine:
+        assert (await collect(engine.stream("p", PARAMS, "r1"))).text == "from-0 ok"
+        await router.stop()
+        started = time.perf_counter()
+        with pytest.raises(EngineError, match="cannot connect"):
+            await collect(engine.stream("p", PARAMS, "r2"))
+        assert time.perf_counter() - started < 1.0  # refused: not retried, the editor hears at once
+        await router.start()  # back on the same port; the next probe is 30 s away
+        assert (await collect(engine.stream("p", PARAMS, "r3"))).text == "from-0 ok"  # the lone URL is tried anyway
+
+
+async def test_a_router_is_recognised_and_its_workers_counted() -> None:
+    async with fakes("good", "good") as (router, plain):
+        router.workers = [{"url": "http://w1:8000", "is_healthy": True}, {"url": "http://w2:8000", "is_healthy": False}]
+        async with remote([router.url], metrics_interval=0.2) as engine:
+            assert engine.behind_router
+            stats = engine.engine_stats()
+            assert stats["router"] and (stats["router_workers_healthy"], stats["router_workers"]) == (1, 2)
+            router.workers[1]["is_healthy"] = True
+            await wait_for(lambda: engine.engine_stats()["router_workers_healthy"] == 2, 3.0, "the next /workers poll")
+        async with remote([plain.url]) as engine:
+            assert not engine.behind_router and engine.engine_stats()["router_workers"] is None
 
 
 async def test_client_error_is_not_retried_and_the_api_key_never_leaks(
@@ -769,6 +826,136 @@ async def test_replicas_keep_keys_fail_over_and_come_back(vllm_pair: Pair) -> No
         b1 = await settled_count(b)
         assert (await collect(engine.stream(CODE_PROMPTS[0], params, "back", routing_key=key_b))).text
         assert await finished(b) - b1 == 1
+
+
+@dataclass
+class Router:
+    """vllm-router (the vLLM project's router, a PyPI wheel) in front of replicas."""
+
+    port: int
+    log_path: Path
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def launch(cls, workers: list[str], log_path: Path, policy: str = "cache_aware") -> Router:
+        port = free_port()
+        cmd = [
+            str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *workers, "--policy", policy, "--prometheus-port", str(free_port()),
+            # The README's recipe: health checks every few seconds (the default is a minute).
+            "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
+        ]  # fmt: skip
+        with log_path.open("wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(port, log_path, proc)
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"vllm-router exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        return
+                await asyncio.sleep(0.3)
+        raise AssertionError(f"vllm-router not ready after {timeout} s:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+async def serving(*servers: VllmServer) -> VllmServer:
+    """The replica that is generating now (vllm:num_requests_running), e.g. behind a router."""
+    for _ in range(100):
+        for server in servers:
+            if metric_sum(await fetch_metrics(server.url), "vllm:num_requests_running"):
+                return server
+        await asyncio.sleep(0.02)
+    raise AssertionError("no replica is running a request")
+
+
+@pytest.mark.slow
+async def test_ember_behind_vllm_router_keeps_completing_when_a_replica_dies(vllm_pair: Pair, tmp_path: Path) -> None:
+    """The scale-out recipe with real processes: the two replicas behind vllm-router
+    (``cache_aware``), ember over stdio with ``--engine-url`` at the router. A replica killed
+    while it streams: the stream resumes on the other one, with the text greedy decoding gives
+    uninterrupted. Completions keep coming for every document after the kill, and ``ember/stats``
+    says that a router is in front and how many of its workers are healthy. The killed replica
+    is started again for the next test."""
+    from lsprotocol import types
+    from pygls.lsp.client import LanguageClient
+
+    from tests.conftest import plain, wait_ready
+    from tests.test_server import inline, open_doc
+
+    a, b = vllm_pair.a, vllm_pair.b
+    await a.wait_ready()
+    await b.wait_ready()
+    router = Router.launch([a.url, b.url], tmp_path / "router.log")
+    editor = LanguageClient("router-test", "1")
+    try:
+        await router.wait_ready()
+        # One stream through the router, whole and then with its replica killed after 3 chunks.
+        params = GenerationParams(max_tokens=40)
+        async with remote([router.url], first_token_timeout=10.0, read_timeout=10.0) as engine:
+            assert engine.behind_router and engine.engine_stats()["router_workers"] == 2
+            whole = await collect(engine.stream(CODE_PROMPTS[1], params, "whole", routing_key="doc"))
+            received: list[str] = []
+            async for chunk in engine.stream(CODE_PROMPTS[1], params, "cut", routing_key="doc"):
+                received.append(chunk.text)
+                if len(received) == 3:
+                    killed = await serving(a, b)
+                    killed.kill()
+            assert engine.resumed == 1
+            assert "".join(received) == whole.text and len(whole.chunks) > 8
+        survivor = a if killed is b else b
+        log.info("killed %s mid-stream behind the router; resumed on %s", killed.url, survivor.url)
+
+        # ember over stdio, through the router: every document gets its completion.
+        await editor.start_io(
+            sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--engine-url", router.url, "--model", SERVED_NAME
+        )
+        options = {"maxTokens": 12, "crossFile": False}
+        await editor.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options))
+        editor.initialized(types.InitializedParams())
+        await wait_ready(editor, timeout=60)
+        texts = [f"{CODE_PROMPTS[0]}    # file {i}\n    with open(path) as f:\n        " for i in range(4)]
+        outcomes = []
+        for i, text in enumerate(texts):
+            uri = f"file:///work/router_{i}.py"
+            open_doc(editor, uri, text)
+            lines = text.split("\n")
+            items = await inline(editor, uri, len(lines) - 1, len(lines[-1]))
+            last = plain(await editor.protocol.send_request_async("ember/stats", {"uri": uri}))["last_for_uri"]
+            outcomes.append(last["outcome"])
+            assert items and items[0].insert_text.strip(), (uri, last)
+        assert "error" not in outcomes, outcomes
+        for _ in range(40):  # the router's health check sees the kill within seconds; ember polls it
+            engine_stats = plain(await editor.protocol.send_request_async("ember/stats", {}))["engine"]["stats"]
+            if engine_stats["router_workers_healthy"] == 1:
+                break
+            await asyncio.sleep(0.5)
+        assert engine_stats["router"] is True and engine_stats["router_workers"] == 2
+        assert engine_stats["router_workers_healthy"] == 1, engine_stats
+    finally:
+        with contextlib.suppress(Exception):
+            await editor.shutdown_async(None)
+            editor.exit(None)
+            await asyncio.wait_for(editor.stop(), 15)
+        router.stop()
+    # The last test of the module needs both replicas.
+    replacement = VllmServer.launch(vllm_pair.model_path, killed.log_path.with_suffix(".again.log"))
+    if killed is a:
+        vllm_pair.a = replacement
+    else:
+        vllm_pair.b = replacement
 
 
 @pytest.mark.slow
