@@ -211,6 +211,17 @@ class Editor:
         self.edit(offset, offset, typed)
         return offset + len(typed)
 
+    async def last_metrics(self) -> dict[str, Any]:
+        """The metrics ember recorded for the request just answered (``ember/stats`` ``last``)."""
+        stats = await self.client.protocol.send_request_async("ember/stats", {})
+        metrics: dict[str, Any] = {}
+        if stats.requests == self.stats_total + 1 and stats.last is not None:
+            metrics = dict(stats.last._asdict())
+        else:  # not recorded (e.g. superseded) or more than one: do not attribute it
+            metrics = {"outcome": "unrecorded"}
+        self.stats_total = stats.requests
+        return metrics
+
     async def request(self, offset: int, body: Body, kind: str, along: int = 0) -> Record:
         params = types.InlineCompletionParams(
             text_document=types.TextDocumentIdentifier(uri=self.uri),
@@ -220,13 +231,7 @@ class Editor:
         t0 = time.perf_counter()
         reply = await self.client.text_document_inline_completion_async(params)
         client_ms = (time.perf_counter() - t0) * 1000
-        stats = await self.client.protocol.send_request_async("ember/stats", {})
-        metrics: dict[str, Any] = {}
-        if stats.requests == self.stats_total + 1 and stats.last is not None:
-            metrics = dict(stats.last._asdict())
-        else:  # not recorded (e.g. superseded) or more than one: do not attribute it
-            metrics = {"outcome": "unrecorded"}
-        self.stats_total = stats.requests
+        metrics = await self.last_metrics()
         items = getattr(reply, "items", None) or []
         suggestion = items[0].insert_text if items else ""
         if not isinstance(suggestion, str):

@@ -19,7 +19,8 @@ One ember (``--stdio --daemon off``) per configuration replays a developer typin
 ``--files`` documents opened side by side: bodies are deleted and typed back with
 ``bench/replay.py``'s typing model, one body per document in turn, so the router sees the prompts
 of several documents interleaved. When ``--kill-at`` of the requests are done, the last replica is
-killed (SIGKILL, whatever it is doing); its counters are read just before.
+killed (SIGKILL, whatever it is doing); its counters are read just before. The replay starts once
+the warm-ups ember sends when the documents open have finished (the user opens the files, then types).
 
 Per configuration: prompt tokens and cached prompt tokens from the replicas' own counters
 (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``), ember's ``ttft_ms`` and
@@ -55,7 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.prompt_stability import read_sources  # noqa: E402
-from bench.replay import SOURCES, Body, Editor, Record, pct, pick_bodies, type_body, utf16_position, wait_ready  # noqa: E402
+from bench.replay import SOURCES, Body, Editor, Record, pct, pick_bodies, type_body, wait_ready  # noqa: E402
 from engine.routing import metric_sum, parse_prometheus  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -181,6 +182,21 @@ def replica_cores(index: int, count: int) -> str:
     return f"{index * share}-{index * share + share - 1}" if share > 1 else str(index * share)
 
 
+async def settle(replicas: list[Process], timeout: float = 180.0) -> None:
+    """Until no replica runs or queues a request (vllm:num_requests_running / _waiting)."""
+    deadline = time.monotonic() + timeout
+    await asyncio.sleep(1.0)
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            busy = 0.0
+            for replica in replicas:
+                samples = parse_prometheus((await client.get(f"{replica.url}/metrics")).text)
+                busy += (metric_sum(samples, "vllm:num_requests_running") or 0) + (metric_sum(samples, "vllm:num_requests_waiting") or 0)
+            if not busy:
+                return
+            await asyncio.sleep(0.5)
+
+
 def since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in now.items()}
 
@@ -227,30 +243,12 @@ async def start_stack(config: str, args: argparse.Namespace, logs: Path) -> Stac
 
 class DocumentEditor(Editor):
     """replay.py's Editor, reading each request's metrics as ``ember/stats`` ``last_for_uri``: the
-    replay asks for one document at a time, so that is exactly this request's (a failed or
-    superseded request included, which a count of all requests cannot tell apart)."""
+    replay asks for one document at a time, so that is exactly this request's (a failed request
+    included, which replay.py's count of all requests cannot tell from a superseded one)."""
 
-    async def request(self, offset: int, body: Body, kind: str, along: int = 0) -> Record:
-        from lsprotocol import types
-
-
-        params = types.InlineCompletionParams(
-            text_document=types.TextDocumentIdentifier(uri=self.uri),
-            position=utf16_position(self.text, offset),
-            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
-        )
-        t0 = time.perf_counter()
-        reply = await self.client.text_document_inline_completion_async(params)
-        client_ms = (time.perf_counter() - t0) * 1000
+    async def last_metrics(self) -> dict[str, Any]:
         stats = await self.client.protocol.send_request_async("ember/stats", {"uri": self.uri})
-        metrics = plain(stats.last_for_uri) if stats.last_for_uri is not None else {"outcome": "unrecorded"}
-        items = getattr(reply, "items", None) or []
-        suggestion = items[0].insert_text if items else ""
-        if not isinstance(suggestion, str):
-            suggestion = suggestion.value
-        record = Record(self.config, body.file, body.name, offset, kind, client_ms, suggestion, along, metrics)
-        self.records.append(record)
-        return record
+        return plain(stats.last_for_uri) if stats.last_for_uri is not None else {"outcome": "unrecorded"}
 
 
 @dataclass
@@ -297,6 +295,9 @@ async def run_config(config: str, files: list[tuple[str, str, list[Body]]], args
         editors = [DocumentEditor(client, f"file:///bench/router/{path}", text, config, args) for path, text, _ in files]
         for editor in editors:
             editor.open()
+        # The user opens the files, then starts typing: the warm-ups ember sends on open (one
+        # prefill per document, a minute in all on one core per replica here) settle first.
+        await settle(stack.replicas)
         victim = stack.replicas[-1]
         kill_after = round(args.requests * args.kill_at) if args.kill_at > 0 else None
         budget = [args.requests]

@@ -214,6 +214,20 @@ async def test_http2_over_tls_multiplexes_on_one_connection(tls_cert: tuple[str,
 # -- real vLLM servers -------------------------------------------------------------------------------
 
 
+async def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, what: str, timeout: float) -> None:
+    """Until ``url``/health answers 200; fails with the log's tail when the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"{what} exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.3)
+    raise AssertionError(f"{what} not ready after {timeout} s:\n{log_path.read_text(errors='replace')[-3000:]}")
+
+
 @dataclass
 class VllmServer:
     port: int
@@ -248,16 +262,7 @@ class VllmServer:
         return cls(port, log_path, proc)
 
     async def wait_ready(self, timeout: float = BOOT_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.url}/health")).status_code == 200:
-                        return
-                await asyncio.sleep(0.5)
-        raise AssertionError(f"vLLM server not ready after {timeout} s:\n{self.log_tail()}")
+        await wait_healthy(self.proc, self.url, self.log_path, "vLLM server", timeout)
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
@@ -854,16 +859,7 @@ class Router:
         return cls(port, log_path, proc)
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"vllm-router exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.url}/health")).status_code == 200:
-                        return
-                await asyncio.sleep(0.3)
-        raise AssertionError(f"vllm-router not ready after {timeout} s:\n{self.log_path.read_text()[-3000:]}")
+        await wait_healthy(self.proc, self.url, self.log_path, "vllm-router", timeout)
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
