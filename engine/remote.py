@@ -524,7 +524,7 @@ class RemoteEngine:
         if end.error is None or progress.final is not None:
             return  # a clean end, or trouble after the completion was complete
         if progress.yielded:
-            # The caller already has part of the text: it cannot be replayed elsewhere.
+            # The caller already has part of the text: stream() resumes after it, not from the start.
             self._mark_down(replica, self._scrub(str(end.error)))
             message = f"the stream from {replica.name} broke mid-stream after {progress.yielded} chunks: {end.error}"
             raise _Broken(self._scrub(message)) from end.error

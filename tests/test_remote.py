@@ -229,7 +229,9 @@ async def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, what: s
 
 
 @dataclass
-class VllmServer:
+class LocalServer:
+    """A process serving HTTP on a loopback port, in its own process group."""
+
     port: int
     log_path: Path
     proc: subprocess.Popen
@@ -237,6 +239,10 @@ class VllmServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class VllmServer(LocalServer):
 
     @classmethod
     def launch(cls, model_path: str, log_path: Path) -> VllmServer:
@@ -834,16 +840,8 @@ async def test_replicas_keep_keys_fail_over_and_come_back(vllm_pair: Pair) -> No
 
 
 @dataclass
-class Router:
+class Router(LocalServer):
     """vllm-router (the vLLM project's router, a PyPI wheel) in front of replicas."""
-
-    port: int
-    log_path: Path
-    proc: subprocess.Popen
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     @classmethod
     def launch(cls, workers: list[str], log_path: Path, policy: str = "cache_aware") -> Router:
