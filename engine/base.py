@@ -27,6 +27,9 @@ class GenerationParams:
     # Report the log-probability of every sampled token (Chunk.logprobs): what a suggestion's
     # confidence is made of.
     logprobs: bool = False
+    # False for a request that is only worth it on the replica chosen for it (a warm-up filling
+    # that replica's prefix cache): a slow first token does not move it to another replica.
+    failover: bool = True
 
 
 @dataclass

@@ -96,7 +96,8 @@ _FINISHED = object()  # the completion was complete and nothing more came in tim
 class _Progress:
     """How far one attempt's stream has come."""
 
-    first_deadline: float  # loop time by which the first token must arrive
+    first_token_s: float  # how long the first token may take
+    first_deadline: float  # loop time by which it must arrive
     yielded: int = 0  # text chunks handed to the caller
     counted: int = 0  # tokens reported in those chunks
     final: Chunk | None = None  # finish_reason known; usage may still come
@@ -174,7 +175,8 @@ class RemoteEngine:
     ) -> None:
         """``connect_timeout``: TCP/TLS connect. ``first_token_timeout``: request sent -> first
         text (queueing and prefill included); past it the replica counts as failed and the next one
-        is tried. ``read_timeout``: the longest gap between two events once text flows.
+        is tried (a request without ``failover``, a warm-up, waits on its replica that long once per
+        replica instead). ``read_timeout``: the longest gap between two events once text flows.
         ``probe_*``: backoff of the background probe that brings a down replica back.
         ``metrics_interval``: how often live replicas' /metrics are read (only with several
         replicas); ``silent_polls_down`` polls in a row without an answer take a replica out.
@@ -273,6 +275,8 @@ class RemoteEngine:
         if not self.ready:
             raise EngineNotReady("not connected to the engine server yet")
         sent, tokens, broken = "", 0, ""
+        # Without failover a request may wait on its replica as long as it would over all of them.
+        first_token_s = self.first_token_timeout * (1 if params.failover else len(self.replicas))
         self._streams.add(request_id)
         try:
             for resumes in range(self.max_resumes + 1):
@@ -281,7 +285,7 @@ class RemoteEngine:
                     return
                 left = replace(params, max_tokens=params.max_tokens - tokens)
                 try:
-                    served = self._serve(self._body(prompt + sent, left), request_id, routing_key)
+                    served = self._serve(self._body(prompt + sent, left), request_id, routing_key, first_token_s)
                     async with contextlib.aclosing(served) as chunks:
                         async for chunk in chunks:
                             sent += chunk.text
@@ -302,7 +306,9 @@ class RemoteEngine:
             self._streams.discard(request_id)
             self._aborted.discard(request_id)
 
-    async def _serve(self, body: dict[str, Any], request_id: str, routing_key: str | None) -> AsyncGenerator[Chunk, None]:
+    async def _serve(
+        self, body: dict[str, Any], request_id: str, routing_key: str | None, first_token_s: float
+    ) -> AsyncGenerator[Chunk, None]:
         """Chunks from the first replica (in :func:`order`) that serves ``body``. A failure before
         the first token moves on to the next replica; when every replica failed and a moment may
         cure it (HTTP 5xx: a router whose worker just died answers 500 until its health check
@@ -310,7 +316,7 @@ class RemoteEngine:
         Raises :class:`_Broken` when the stream breaks after text was yielded."""
         headers = {"X-Session-ID": session_id(routing_key)} if routing_key is not None else {}
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.first_token_timeout
+        deadline = loop.time() + first_token_s
         failures: list[str] = []
         for backoff in (*self.retry_backoff, None):
             retry = False
@@ -318,7 +324,7 @@ class RemoteEngine:
                 if request_id in self._aborted:
                     return
                 try:
-                    async with contextlib.aclosing(self._attempt(replica, body, request_id, headers)) as chunks:
+                    async with contextlib.aclosing(self._attempt(replica, body, request_id, headers, first_token_s)) as chunks:
                         async for chunk in chunks:
                             yield chunk
                     replica.failures = 0
@@ -453,7 +459,7 @@ class RemoteEngine:
         return EngineError(self._scrub(message))
 
     async def _attempt(
-        self, replica: Replica, body: dict[str, Any], request_id: str, headers: dict[str, str]
+        self, replica: Replica, body: dict[str, Any], request_id: str, headers: dict[str, str], first_token_s: float
     ) -> AsyncGenerator[Chunk, None]:
         """Chunks from one replica. Raises _AttemptFailed while no text has been yielded, _Broken after.
 
@@ -465,7 +471,7 @@ class RemoteEngine:
         active = _Active(producer, replica)
         self._active[request_id] = active
         replica.inflight += 1
-        progress = _Progress(first_deadline=asyncio.get_running_loop().time() + self.first_token_timeout)
+        progress = _Progress(first_token_s, first_deadline=asyncio.get_running_loop().time() + first_token_s)
         try:
             while True:
                 if active.aborted:
@@ -514,7 +520,7 @@ class RemoteEngine:
                 message = f"no token for {self.read_timeout:g} s after {progress.yielded} chunks"
                 self._mark_down(replica, self._scrub(f"{replica.name} stalled: {message}"))
                 raise _Broken(f"the stream from {replica.name} broke mid-stream: {message}") from None
-            raise _AttemptFailed(f"{replica.name} sent no token within {self.first_token_timeout:g} s") from None
+            raise _AttemptFailed(f"{replica.name} sent no token within {progress.first_token_s:g} s") from None
 
     def _check_end(self, end: _End, replica: Replica, progress: _Progress) -> None:
         """The producer ended: fine when cleanly or after the completion was complete; raises otherwise."""

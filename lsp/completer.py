@@ -123,6 +123,8 @@ class Completer:
     _running: dict[DocKey, Running] = field(init=False, default_factory=dict)
     _typing: LRUCache[DocKey, _Typing] = field(init=False)
     _template: tuple[str, FimTemplate] | None = field(init=False, default=None)
+    _warming: set[asyncio.Task[None]] = field(init=False, default_factory=set)  # warm-up prefills in flight
+    _warm_turn: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         # Bounded in bytes; each entry costs its text plus a fixed overhead, so entries are bounded too.
@@ -224,6 +226,7 @@ class Completer:
             key, Cursor.at(text, offset), chosen.cutter(site, prompt), cache_key, calibration,
             min_confidence_for(settings, calibration), on_text,
         )
+        self._stop_warmups()
         this.task = asyncio.ensure_future(self._generate(engine, prompt, this, settings, metrics, started))
         self._running[key] = this
         early_s = settings.early_answer_ms / 1000 if site.mode == "multi" and settings.early_answer_ms > 0 else None
@@ -325,7 +328,9 @@ class Completer:
 
     async def warm(self, doc: Document, offset: int, settings: Settings, cross_file: CrossFile = NO_CROSS_FILE) -> bool:
         """Prefill the stable part of the prompt at ``offset`` (one output token) so the next real
-        request only prefills its tail. Skipped while any completion runs: never competes."""
+        request only prefills its tail. Never competes with a completion: skipped while one runs,
+        stopped when one starts, and one warm-up at a time (opening several documents at once
+        would otherwise queue a prefill each on the engine ahead of the user's first request)."""
         engine = self.engine_source()
         if engine is None or not engine.ready or self.busy or not settings.warmup:
             return False
@@ -333,14 +338,37 @@ class Completer:
         stable = prompt.text[: prompt.stable_chars]
         if len(stable) < 64:
             return False
-        request_id = f"ember-warm-{next(self._ids)}"
-        try:
-            async for _ in engine.stream(stable, GenerationParams(max_tokens=1), request_id, routing_key=prompt.key.routing_key):
-                pass
-        except EngineError as exc:
-            log.debug("warm-up %s failed: %s", request_id, exc)
-            return False
+        async with self._warm_turn:
+            if self.busy:
+                return False
+            request_id = f"ember-warm-{next(self._ids)}"
+            prefill = asyncio.ensure_future(self._prefill(engine, stable, request_id, prompt.key.routing_key))
+            self._warming.add(prefill)
+            try:
+                await prefill
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+                log.debug("warm-up %s gave way to a completion", request_id)
+                return False
+            except EngineError as exc:
+                log.debug("warm-up %s failed: %s", request_id, exc)
+                return False
+            finally:
+                self._warming.discard(prefill)
         return True
+
+    async def _prefill(self, engine: Engine, text: str, request_id: str, routing_key: str) -> None:
+        params = GenerationParams(max_tokens=1, failover=False)
+        async for _ in engine.stream(text, params, request_id, routing_key=routing_key):
+            pass
+
+    def _stop_warmups(self) -> None:
+        """A completion is about to reach the engine: the warm-ups in flight give it the engine
+        (cancelling a stream aborts its request on the engine, embedded or remote)."""
+        for prefill in self._warming:
+            prefill.cancel()
 
     async def _attach(self, running: Running, text: str, offset: int) -> str | None:
         """When the user typed what the generation in flight is producing, wait for it instead of

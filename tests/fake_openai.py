@@ -33,6 +33,7 @@ class FakeServer:
     metrics_text: str | None = None  # None: /metrics is 404, as on llama.cpp or Ollama
     workers: list[dict] | None = None  # a router's /workers list; None: 404, as on a plain server
     failures_left: int = 1  # for "recovering": HTTP 500 this many times, then "good"
+    delay_s: float = 1.5  # for "slow": the first token comes this late, then "good"
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)  # the JSON of each POST /v1/completions
     _server: asyncio.AbstractServer | None = None
@@ -101,6 +102,10 @@ class FakeServer:
         writer.write(SSE_HEAD + b": keepalive\n\n" + b"event: completion\n")
         writer.write(sse(text_event(f"from-{self.tag}")) + b"\n" + b": ping\n\n" + sse(text_event(" ok")))
         writer.write(sse(text_event("", "stop")) + sse("[DONE]"))
+
+    async def _slow(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        await asyncio.sleep(self.delay_s)  # a long prefill queue
+        await self._good(writer, headers)
 
     async def _hang(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
         await asyncio.sleep(3600)

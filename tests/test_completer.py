@@ -4,8 +4,8 @@ Covers what happens between requests for the same document while a generation ru
 at another cursor supersedes it (the engine-side stream is cancelled), one that typed what is being
 generated attaches to it, ``$/cancelRequest`` stops the generation unless someone attached, the
 early answer in multi-line mode (and the generation finishing into the cache behind it),
-typed-through reuse, engine trouble ("loading", "error"), two documents generating at once, and the
-confidence gate (a hidden answer cached, a block shortened, the preview gated).
+typed-through reuse, engine trouble ("loading", "error"), two documents generating at once, warm-ups
+that give way to a completion and take turns, and the confidence gate (a hidden answer cached, a block shortened, the preview gated).
 
 The :class:`ScriptedEngine` below yields only the chunks a test sends, when it sends them, so
 each test decides the interleaving. The same behaviour against the real engine is checked in
@@ -430,6 +430,73 @@ async def test_two_documents_generate_at_once(completer: Completer, engine: Scri
     assert (await result(area)).text == " * height"
     assert (await result(shapes)).text == " * 2 + height * 2"
     assert not area_call.aborted and not shapes_call.aborted
+
+
+# ------------------------------------------------------------------ warm-ups give way
+
+
+def module(name: str) -> str:
+    """A document long enough for a warm-up (a stable prompt front of 64 characters or more)."""
+    return "".join(f"def {name}_{i}(width, height):\n    return width * height + {i}\n\n\n" for i in range(8))
+
+
+def warm(completer: Completer, uri: str) -> asyncio.Task[bool]:
+    doc = Document(uri, "python", module(uri.rsplit("/", 1)[-1][:-3]))
+    return asyncio.create_task(completer.warm(doc, len(doc.text), SETTINGS))
+
+
+async def test_a_completion_stops_the_warm_up_in_flight(completer: Completer, engine: ScriptedEngine) -> None:
+    """A prefill for a document just opened must not stand between the user and the first answer."""
+    warming = warm(completer, "file:///opened.py")
+    warm_call = await engine.next_call()
+    assert warm_call.request_id.startswith("ember-warm-") and warm_call.params.max_tokens == 1
+
+    task = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    await warm_call.wait_finished()
+    assert warm_call.cancelled  # its engine-side request is aborted
+    async with asyncio.timeout(WAIT_S):
+        assert await warming is False
+    await call.send(" * height")
+    await call.end()
+    assert (await result(task)).text == " * height"
+
+
+async def test_warm_ups_take_turns_and_none_starts_beside_a_completion(completer: Completer, engine: ScriptedEngine) -> None:
+    first = warm(completer, "file:///first.py")
+    second = warm(completer, "file:///second.py")
+    first_call = await engine.next_call()
+    await settle()
+    assert len(engine.calls) == 1  # the second waits its turn
+    await first_call.send("x")
+    await first_call.end()
+    second_call = await engine.next_call()
+    assert "second_0" in second_call.prompt
+    async with asyncio.timeout(WAIT_S):
+        assert await first is True
+
+    task = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    third = warm(completer, "file:///third.py")
+    async with asyncio.timeout(WAIT_S):
+        assert await second is False and await third is False  # gave way; skipped while busy
+    await settle()
+    assert len(engine.calls) == 3
+    await call.send(" * height")
+    await call.end()
+    assert (await result(task)).text == " * height"
+
+
+async def test_cancelling_a_warm_up_cancels_its_caller(completer: Completer, engine: ScriptedEngine) -> None:
+    """An edit replaces the document's pending warm-up: that cancellation is the caller's own and
+    must not be taken for a warm-up that gave way."""
+    warming = warm(completer, "file:///edited.py")
+    warm_call = await engine.next_call()
+    warming.cancel()
+    await warm_call.wait_finished()
+    assert warm_call.cancelled
+    with pytest.raises(asyncio.CancelledError):
+        await warming
 
 
 # ------------------------------------------------------------------ the confidence gate

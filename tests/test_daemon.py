@@ -300,7 +300,12 @@ async def test_windows_share_one_engine_and_survive_a_killed_daemon(runtime: Pat
         await first.open()
         ready = await wait_ready(first.client)
         assert ready["engine"]["starts"] == 1
-        loading = [r for token, r in first.client.progress_reports.items() if str(token).startswith("ember-load")]
+        # The progress ends on the daemon's loading task, which may run just after ember/stats answered "ready".
+        for _ in range(200):
+            loading = [r for token, r in first.client.progress_reports.items() if str(token).startswith("ember-load")]
+            if loading and "ready" in (loading[0][-1].message or ""):
+                break
+            await asyncio.sleep(0.05)
         assert loading and "ready" in loading[0][-1].message, "the daemon's loading progress reaches the first window"
         first.did_open(text)
         assert await first.complete_at_end(text), (await first.stats())["last_for_uri"]

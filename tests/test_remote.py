@@ -513,6 +513,20 @@ async def test_fault_before_first_token_falls_over_within_the_deadline(fault: st
         assert again.text == "from-1 ok" and again.seconds < 0.5 and bad.completions == 1
 
 
+async def test_a_request_without_failover_waits_on_its_slow_replica() -> None:
+    """A warm-up fills one replica's prefix cache: moving it elsewhere when that replica is slow
+    would abort the prefill there and do it again on another. It waits, up to the time the request
+    would have had over every replica."""
+    async with fakes("slow", "good") as (slow, good), remote([slow.url, good.url]) as engine:
+        key = key_for(engine, slow.url)
+        patient = GenerationParams(max_tokens=1, failover=False)
+        result = await collect(engine.stream("p", patient, "warm", routing_key=key))
+        assert result.text == "from-0 ok" and result.seconds >= slow.delay_s * 0.9
+        assert slow.completions == 1 and good.completions == 0 and status(engine, slow.url).up
+        moved = await collect(engine.stream("p", PARAMS, "r1", routing_key=key))  # a completion moves on
+        assert moved.text == "from-1 ok" and slow.completions == 2 and good.completions == 1
+
+
 @pytest.mark.parametrize(
     ("fault", "message"),
     [("hang", "sent no token within 1 s"), ("garbage", "malformed stream"), ("unavailable", "HTTP 503")],
