@@ -12,7 +12,10 @@ chooses the default threshold (the highest one that keeps at least ``--keep`` of
 answers); the held-out half reports the curve with those numbers, per set: the share of cursors
 shown, exact match among the shown ones, the share of all exact answers kept, and the ratio of
 exact-among-shown to showing everything. Degenerate repetitions among the shown answers are
-counted too (ember never shows them). Prints the tables and the ``Calibration(...)`` line, and
+counted too (ember never shows them). Last, the ceiling of the signal per set: the best ratio any
+threshold reaches while keeping ``--keep`` of the exact answers, chosen with hindsight on all of
+the set's cursors, for the lowest log-probability alone, the fit, and a fit of the set's own.
+Prints the tables and the ``Calibration(...)`` line, and
 writes bench/results/confidence-<model>.json.
 """
 
@@ -101,6 +104,25 @@ def choose_threshold(by_set: dict[str, list[dict[str, Any]]], model: Calibration
     return best
 
 
+def in_sample_ceiling(rows: list[dict[str, Any]], score: Any, keep: float) -> tuple[float, float]:
+    """The best ratio of exact-among-shown to showing everything that any threshold on ``score``
+    reaches on ``rows`` while keeping ``keep`` of their exact answers, chosen with hindsight on the
+    same rows (an upper bound for this signal, not a result), and the share kept there."""
+    answered = [r for r in rows if r["completion"].strip() and r["logprob_min"] is not None]
+    exact_all = sum(r["exact"] for r in rows)
+    if not answered or not exact_all:
+        return 1.0, 1.0
+    everything = sum(r["exact"] for r in answered) / len(answered)
+    best = (1.0, 1.0)
+    for threshold in sorted({score(r) for r in answered}):
+        shown = [r for r in answered if score(r) >= threshold]
+        kept = sum(r["exact"] for r in shown) / exact_all
+        ratio = sum(r["exact"] for r in shown) / len(shown) / everything
+        if kept >= keep and ratio > best[0]:
+            best = (ratio, kept)
+    return best
+
+
 def by_source(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     found: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -166,6 +188,17 @@ def main() -> int:
     for name, rows in fit_sets.items():
         p = swapped_points[name] = point(rows, swapped, swapped_threshold)
         print(f"  {name}: {fmt(p['exact_kept'])} / {fmt(p['x_all_shown'])} / {fmt(p['shown'])}")
+    print(f"\nceiling: the best threshold per set with hindsight, all {len(judged)} answered cursors (x all shown / exact kept):")
+    ceilings = {}
+    for name, rows in by_source(records).items():
+        own = calibration(fit([r for r in rows if r["logprob_min"] is not None]), 0.0)
+        signals = {
+            "min": lambda r: r["logprob_min"],
+            "fit": lambda r: confidence_of(r, model),
+            "own fit": lambda r, own=own: confidence_of(r, own),
+        }
+        ceilings[name] = {label: in_sample_ceiling(rows, score, args.keep) for label, score in signals.items()}
+        print(f"  {name}: " + ", ".join(f"{label} {r:.2f} / {k:.2f}" for label, (r, k) in ceilings[name].items()))
     print(
         f"\nCalibration(bias={weights[0]:.4f}, min_weight={weights[1]:.4f}, mean_weight={weights[2]:.4f}, "
         f"length_weight={weights[3]:.4f}, min_confidence={chosen:.2f})"
@@ -181,6 +214,7 @@ def main() -> int:
                 "keep": args.keep,
                 "held_out_curves": curves,
                 "swapped": {"weights": swapped_weights, "threshold": swapped_threshold, "points": swapped_points},
+                "in_sample_ceiling": ceilings,
             },
             indent=1,
         )
