@@ -5,7 +5,9 @@ at another cursor supersedes it (the engine-side stream is cancelled), one that 
 generated attaches to it, ``$/cancelRequest`` stops the generation unless someone attached, the
 early answer in multi-line mode (and the generation finishing into the cache behind it),
 typed-through reuse, engine trouble ("loading", "error"), two documents generating at once, warm-ups
-that give way to a completion and take turns, and the confidence gate (a hidden answer cached, a block shortened, the preview gated).
+that give way to a completion and take turns, and the confidence gate (a hidden answer cached, a
+block shortened, the preview gated). That cancelling a stream aborts its request on a real engine is
+checked in test_remote.py (a vLLM server) and test_latency.py (the embedded engine).
 
 The :class:`ScriptedEngine` below yields only the chunks a test sends, when it sends them, so
 each test decides the interleaving. The same behaviour against the real engine is checked in
