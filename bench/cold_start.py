@@ -137,6 +137,7 @@ async def one_run(checkout: Path, args: argparse.Namespace) -> dict[str, Any]:
             if not answer:
                 await asyncio.sleep(0.1)
         answered = time.time()
+        first = await first_answer_metrics(client)
         memory = pss_by_process(runtime)
         try:
             await asyncio.wait_for(client.shutdown_async(None), 15)
@@ -153,7 +154,18 @@ async def one_run(checkout: Path, args: argparse.Namespace) -> dict[str, Any]:
         (args.keep_logs / f"{checkout.name}-{int(launched)}.log").write_text("\n".join(logs))
     shutil.rmtree(runtime, ignore_errors=True)
     stages = stages_from_log("\n".join(logs[1:]) if args.daemon == "auto" else logs[0], launched, answered)
-    return {"total_s": round(answered - launched, 2), "stages": stages, "answer": answer, "pss_mib": memory}
+    return {"total_s": round(answered - launched, 2), "stages": stages, "answer": answer, "first": first, "pss_mib": memory}
+
+
+async def first_answer_metrics(client: LanguageClient) -> dict[str, Any]:
+    """What ember recorded for the answer (``ember/stats`` ``last``: ttft_ms, prompt_tokens, ...)."""
+    try:
+        stats = await asyncio.wait_for(client.protocol.send_request_async("ember/stats", {}), 10)
+    except Exception:  # noqa: BLE001 - an older checkout without the request: no details
+        return {}
+    last = getattr(stats, "last", None)
+    keys = ("latency_ms", "ttft_ms", "engine_ms", "prompt_tokens", "cached_tokens", "streamed_tokens")
+    return {k: v for k, v in (last._asdict() if last is not None else {}).items() if k in keys}
 
 
 def pss_by_process(runtime: Path) -> dict[str, float]:

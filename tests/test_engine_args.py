@@ -90,6 +90,10 @@ def test_engine_defaults_gpu_cpu_and_long_lived() -> None:
     assert gpu["gpu_memory_utilization"] == 0.5
     stdio = ember_engine_args(config, on_cpu=True)
     assert stdio["enforce_eager"] is True and stdio["block_size"] == 32
+    # The CPU's KV cache is an engine argument (half a GiB, fractions allowed); a GPU's is a share of its memory.
+    assert stdio["kv_cache_memory_bytes"] == 2**29 and "kv_cache_memory_bytes" not in gpu
+    bigger = ember_engine_args(EmbeddedConfig(model_path="/m", model_name="m", kv_cache_gib=1.5), on_cpu=True)
+    assert bigger["kv_cache_memory_bytes"] == 3 * 2**29
     daemon = ember_engine_args(EmbeddedConfig(model_path="/m", model_name="m", long_lived=True), on_cpu=True)
     assert daemon["enforce_eager"] is False  # compiled where the engine lives long
     assert gpu["dtype"] == "bfloat16" and stdio["dtype"] == cpu_dtype()
