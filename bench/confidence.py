@@ -49,8 +49,11 @@ def features(record: dict[str, Any]) -> list[float]:
     return [1.0, record["logprob_min"], record["logprob_mean"], math.log1p(record["kept_tokens"])]
 
 
-def fit(records: list[dict[str, Any]], ridge: float = 1e-3, rounds: int = 50) -> list[float]:
-    """Logistic regression by Newton's method (a little ridge for stability)."""
+def fit(
+    records: list[dict[str, Any]], ridge: float = 1e-3, rounds: int = 50, features: Any = features
+) -> list[float]:
+    """Logistic regression by Newton's method (a little ridge for stability) on ``features(record)``
+    (a leading 1.0 for the bias; by default the gate's own features)."""
     x = np.array([features(r) for r in records])
     y = np.array([1.0 if r["exact"] else 0.0 for r in records])
     w = np.zeros(x.shape[1])

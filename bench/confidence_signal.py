@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from bench.confidence import held_out, in_sample_ceiling  # noqa: E402
+from bench.confidence import fit, held_out, in_sample_ceiling  # noqa: E402
 from bench.quality import DEV_FILES, RESULTS, case_uri, load_cases, normalize, resolve, sample  # noqa: E402
 from context.cut.confidence import TokenTrace, judge  # noqa: E402
 from context.prompt.fim import choose_template  # noqa: E402
@@ -122,18 +122,9 @@ def row(record: dict[str, Any], names: tuple[str, ...]) -> list[float]:
     return [1.0, *(float(values[n]) for n in names)]
 
 
-def fit(records: list[dict[str, Any]], names: tuple[str, ...], ridge: float = 1e-2) -> np.ndarray:
-    """Logistic regression by Newton's method, features scaled by the fit half's spread."""
-    x = np.array([row(r, names) for r in records])
-    y = np.array([1.0 if r["exact"] else 0.0 for r in records])
-    w = np.zeros(x.shape[1])
-    for _ in range(60):
-        p = 1 / (1 + np.exp(-np.clip(x @ w, -60, 60)))
-        step = np.linalg.solve(x.T @ (x * (p * (1 - p))[:, None]) + ridge * np.eye(len(w)), x.T @ (p - y) + ridge * w)
-        w -= step
-        if np.abs(step).max() < 1e-8:
-            break
-    return w
+def fit_on(records: list[dict[str, Any]], names: tuple[str, ...]) -> np.ndarray:
+    """bench/confidence.py's logistic fit on the named features."""
+    return np.array(fit(records, ridge=1e-2, rounds=60, features=lambda r: row(r, names)))
 
 
 def score_of(w: np.ndarray, names: tuple[str, ...]) -> Any:
@@ -145,7 +136,7 @@ def held_out_ratio(fit_rows: list[dict[str, Any]], test_rows: list[dict[str, Any
     usable = [r for r in fit_rows if r["logprob_min"] is not None]
     if not any(r["exact"] for r in usable) or all(r["exact"] for r in usable):
         return {"ratio": None}
-    score = score_of(fit(usable, names), names)
+    score = score_of(fit_on(usable, names), names)
     exact_scores = sorted(score(r) for r in usable if r["exact"])
     threshold = exact_scores[math.floor((1 - KEEP) * len(exact_scores))]
     answered = [r for r in test_rows if r["logprob_min"] is not None]
@@ -174,7 +165,7 @@ def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
         for label, names in FEATURE_SETS.items():
             entry[label] = held_out_ratio(fit_rows, test_rows, names)
             if usable and any(r["exact"] for r in usable) and not all(r["exact"] for r in usable):
-                entry[label]["ceiling"] = in_sample_ceiling(rows, score_of(fit(usable, names), names), KEEP)[0]
+                entry[label]["ceiling"] = in_sample_ceiling(rows, score_of(fit_on(usable, names), names), KEEP)[0]
         entry["margin_min_alone_ceiling"] = in_sample_ceiling(rows, lambda r: r["margin_min"], KEEP)[0]
         entry["logprob_min_alone_ceiling"] = in_sample_ceiling(rows, lambda r: r["logprob_min"], KEEP)[0]
         table[name] = entry
