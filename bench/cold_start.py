@@ -2,14 +2,15 @@
 with no daemon running, stage by stage, this checkout beside an older one in the same run.
 
     .venv/bin/python bench/cold_start.py [--runs 5] [--base WORKTREE] [--model bundled|qwen-coder] \
-        [--base ANOTHER ...] [--daemon auto|off] [--out bench/results/cold-start-MODEL-DAEMON.json]
+        [--base ANOTHER ...] [--engines vllm,llamacpp] [--daemon auto|off] [--out bench/results/cold-start-MODEL-DAEMON.json]
 
 Each run launches ``python -m lsp --stdio`` as an editor does (this venv's Python, the checkout as
 the working directory, so ``--base`` runs the older code on the same packages) in a runtime
 directory of its own, so no daemon is running; initializes, opens tests/data/inventory.py with a
 cursor at the end of a new line and asks ``textDocument/inlineCompletion`` every 100 ms until the
-answer is non-empty. Variants alternate run by run (which goes first alternates too), and every
-process of the run is stopped before the next.
+answer is non-empty. Variants (the checkouts, or with ``--engines`` this checkout on each engine:
+``--engine vllm`` on the converted folder, ``--engine llamacpp`` on the GGUF file) alternate run
+by run (which goes first alternates too), and every process of the run is stopped before the next.
 
 Stages come from the log of the process that loads the engine (the daemon's log file, or with
 ``--daemon off`` the server's stderr), on the wall clock:
@@ -19,7 +20,8 @@ Stages come from the log of the process that loads the engine (the daemon's log 
   import    -> vLLM's engine core says "Initializing" (vLLM imported, the engine-core process
                spawned and importing again); vLLM's own lines have whole seconds only;
   weights   -> "Loading weights took";
-  engine    -> ember's "vLLM ready" (KV cache, warm-up, the client's handshake);
+  engine    -> ember's "vLLM ready" (KV cache, warm-up, the client's handshake), or "llama.cpp
+               ready" (llama-server loaded the GGUF: import and weights are in it);
   answer    -> the first non-empty completion (connect, prompt, generation, polling).
 
 Prints the median per stage and in total per variant, the proportional memory (PSS) of the run's
@@ -61,7 +63,7 @@ MARKERS = (
     ("resolve", re.compile(r"model .* resolved in|gave up on the hub")),
     ("import", re.compile(r"Initializing a V1 LLM engine")),
     ("weights", re.compile(r"Loading weights took")),
-    ("engine", re.compile(r"vLLM ready with")),
+    ("engine", re.compile(r"vLLM ready with|llama.cpp ready with")),
 )
 EMBER_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 VLLM_TIME = re.compile(r"(?:INFO|WARNING|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d)[.\d]* \[")
@@ -101,12 +103,15 @@ def stages_from_log(text: str, launched: float, answered: float) -> dict[str, fl
     return stages
 
 
-async def one_run(checkout: Path, args: argparse.Namespace) -> dict[str, Any]:
+async def one_run(checkout: Path, engine: str, args: argparse.Namespace) -> dict[str, Any]:
     runtime = Path(tempfile.mkdtemp(prefix="ec-"))
     stderr_path = runtime / "server.stderr"
     command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", args.daemon, "--max-tokens", str(args.max_tokens)]
-    if args.model != "bundled":
-        command += ["--model", args.model]
+    if engine != "auto":
+        command += ["--engine", engine]
+    model = args.gguf if engine == "llamacpp" else args.model
+    if model != "bundled":
+        command += ["--model", model]
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "EMBER_LOG_LEVEL": "INFO"}
     client = LanguageClient("bench-editor", "1")
     text = SOURCE.read_text() + TAIL
@@ -180,6 +185,7 @@ def pss_by_process(runtime: Path) -> dict[str, float]:
                 else "daemon" if " daemon serve" in title
                 else "resource tracker" if "resource_tracker" in title
                 else "editor's process" if "--stdio" in title
+                else "llama-server" if process.name().startswith("llama-server")
                 else process.name()
             )
             kinds[kind] = round(kinds.get(kind, 0.0) + process.memory_full_info().pss / 2**20, 1)
@@ -231,21 +237,25 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, float | None]:
 
 async def main_async(args: argparse.Namespace) -> int:
     # The first --base is "base"; more are named by their folders.
-    variants = {("base" if i == 0 else path.name): path.resolve() for i, path in enumerate(args.base or [])}
-    variants["this"] = ROOT
+    engines = args.engines.split(",")
+    variants = {("base" if i == 0 else path.name): (path.resolve(), engines[0]) for i, path in enumerate(args.base or [])}
+    for engine in engines:
+        variants["this" if len(engines) == 1 else engine] = (ROOT, engine)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for i in range(args.runs):
         order = list(variants) if i % 2 == 0 else list(reversed(variants))
         for name in order:
-            run = await one_run(variants[name], args)
+            run = await one_run(*variants[name], args)
             runs[name].append(run)
             print(f"run {i + 1} {name}: {run['total_s']:.1f} s {run['stages']}", flush=True)
     summary = {name: medians(found) for name, found in runs.items()}
     print(f"\n{'variant':8} {'total s':>8} " + " ".join(f"{s:>8}" for s in STAGES) + f" {'PSS MiB':>8}  x base")
+    first = "base" if "base" in summary else next(iter(summary))
     for name, row in summary.items():
-        ratio = f"{row['total_s'] / summary['base']['total_s']:.2f}" if "base" in summary else ""  # type: ignore[operator]
+        ratio = f"{row['total_s'] / summary[first]['total_s']:.2f}" if len(summary) > 1 else ""  # type: ignore[operator]
         cells = " ".join(f"{row[s]:>8.2f}" if row[s] is not None else f"{'-':>8}" for s in STAGES)
         print(f"{name:8} {row['total_s']:>8.2f} {cells} {row['pss_mib']:>8.0f}  {ratio}")
+    print(f"(x: the total over {first}'s)" if len(summary) > 1 else "")
     out = args.out or RESULTS / f"cold-start-{args.label}-{args.daemon}.json"
     out.write_text(
         json.dumps(
@@ -257,7 +267,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 "model_path": args.model,
                 "daemon": args.daemon,
                 "cores": os.cpu_count(),
-                "commits": {name: commit_of(path) for name, path in variants.items()},
+                "commits": {name: commit_of(path) for name, (path, _) in variants.items()},
+                "engines": {name: engine for name, (_, engine) in variants.items()},
                 "medians": summary,
                 "runs": runs,
             },
@@ -274,16 +285,18 @@ def main() -> int:
     parser.add_argument("--base", type=Path, action="append", help="an older checkout (a git worktree), repeatable")
     parser.add_argument("--model", default="bundled", help="bundled, or what --model takes (qwen-coder: bench/models.py's path)")
     parser.add_argument("--daemon", default="auto", choices=["auto", "off"])
+    parser.add_argument("--engines", default="auto", help="comma-separated: auto, vllm, llamacpp (each a variant of this checkout)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--deadline-s", type=float, default=600)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep-logs", type=Path, help="a folder for each run's logs")
     args = parser.parse_args()
     args.label = Path(args.model).name if "/" in args.model else args.model
+    args.gguf = args.model
     if args.model == "qwen-coder":
-        from bench.models import qwen_coder
+        from bench.models import CACHE, qwen_coder, qwen_gguf
 
-        args.model = str(qwen_coder())
+        args.model, args.gguf = str(qwen_coder()), str(qwen_gguf(CACHE / "qwen-coder"))
     return asyncio.run(main_async(args))
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
+ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = ROOT / "tests" / "data" / "inventory.py"
 
@@ -43,6 +44,7 @@ async def main() -> int:
     parser.add_argument("file", nargs="?", default=str(DEFAULT_FILE))
     parser.add_argument("--engine-url", action="append", default=[])
     parser.add_argument("--model")
+    parser.add_argument("--engine", choices=("auto", "vllm", "llamacpp"), help="the embedded engine (default: ember's choice)")
     args = parser.parse_args()
 
     path = Path(args.file).resolve()
@@ -52,10 +54,12 @@ async def main() -> int:
     for url in args.engine_url:
         command += ["--engine-url", url]
     if not args.engine_url:
-        # A short run: start-up dominates, so the daemon's engine starts eager (not compiled).
+        # A short run: start-up dominates, so the daemon's engine starts eager (not compiled; vLLM only).
         command += ["--engine-arg", "enforce_eager=true"]
     if args.model:
         command += ["--model", args.model]
+    if args.engine:
+        command += ["--engine", args.engine]
 
     client = LanguageClient("ember-demo", "0.1")
     shown: list[str] = []
@@ -76,7 +80,8 @@ async def main() -> int:
         await asyncio.sleep(0.5)
     load_s = time.perf_counter() - started
     await asyncio.sleep(0.2)  # the fallback warning follows readiness
-    print(f"model {engine.model}: server up and model loaded in {load_s:.1f} s")
+    served = f" on {ENGINE_NAMES.get(engine.kind, engine.kind)} ({engine.why})" if getattr(engine, "kind", None) else " on a remote server"
+    print(f"model {engine.model}{served}: server up and model loaded in {load_s:.1f} s")
     for message in shown:
         print(f"    {message}")
     print()

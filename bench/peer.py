@@ -1,8 +1,8 @@
 """ember against what a CPU user would run instead: llama.cpp's server driven the way llama.vim
 drives it, on the same model, in one run, through the same typing replay as bench/replay.py.
 
-    .venv/bin/python bench/peer.py --setup          # build the peer (once, ~15-25 min on 2 cores)
     .venv/bin/python bench/peer.py [--requests 40] [--model smollm2|qwen-coder] [--configs ...]
+    .venv/bin/python bench/peer.py --setup          # only for --peer-server llama-cpp-python (~15-25 min)
 
 Why this exists: ember's latency ideas (anchored prompts, typed-through reuse, partial results)
 only matter if the whole stack beats the obvious alternative. On a CPU that is llama.cpp's server
@@ -13,12 +13,16 @@ does the first visible character arrive at the editor, and when is the first lin
 Configurations (``--configs``, interleaved body by body as in bench/replay.py, each with the same
 seed, the same keystrokes and pauses, the same ``--max-tokens``):
 
-* ``peer``: ``llama-cpp-python[server]==0.3.36`` (built with ``-DGGML_NATIVE=OFF -DGGML_AVX2=ON
-  -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_INT8=OFF`` into bench/.cache/peer-venv, see ``--setup``)
-  loading the model's GGUF file, ``--n_threads 2 --n_threads_batch 2 --n_ctx 2048 --n_batch 1024
-  --n_ubatch 1024`` (the context ember's vLLM gets; the batch sizes llama.vim's README gives for a
-  CPU-only server), otherwise its defaults. Its ``--cache-reuse 256`` (KV shifting when the
-  window start moves) has no counterpart in llama-cpp-python. The client does what llama.vim does, as far as this server allows:
+* ``peer``: llama.cpp's ``llama-server``, the server llama.vim talks to: the binary ember builds
+  (:mod:`engine.llama_build`: llama-cpp-python 0.3.36's vendored llama.cpp, AVX2/FMA/F16C and
+  the AVX512 extensions of this CPU, AMX off; recorded in the results) loading the model's GGUF
+  file with ``--threads 2 --threads-batch 2 --ctx-size 2048 --batch-size 1024 --ubatch-size 1024
+  --cache-reuse 256`` (the context ember's vLLM gets; the batch sizes and cache reuse llama.vim's
+  README gives for a CPU-only server), otherwise its defaults. Until issue 47 the peer was
+  ``--peer-server llama-cpp-python`` (``llama-cpp-python[server]==0.3.36`` built with the same flags
+  into bench/.cache/peer-venv by ``--setup``, ``--n_ctx 2048 --n_batch 1024 --n_ubatch 1024``, no
+  cache reuse): the same llama.cpp behind a Python server. The client does what llama.vim does,
+  as far as both servers allow:
 
   - llama.vim POSTs ``/infill`` with ``input_prefix`` (256 lines above the cursor line),
     ``prompt`` (the cursor line up to the cursor), ``input_suffix`` (rest of the line + 64
@@ -55,9 +59,10 @@ seed, the same keystrokes and pauses, the same ``--max-tokens``):
   results, so the first visible text is timed when it reaches the client. (ember answers
   ``inlineCompletion``, which has no partial results, when the completion ends; in single-line
   mode that is the end of the first line, i.e. the same instant as ``first_line_ms`` here.)
-* ``ember-llamacpp``: the same ember with ``--engine-url http://127.0.0.1:PORT/v1`` on a second
-  llama-cpp-python server, identical to the peer's (its own process: the two do not evict each
-  other's KV cache). ember sends its prompt to ``/v1/completions`` with ``stream: true``.
+  ``--engine vllm``.
+* ``ember-llamacpp``: the same ember on its embedded llama.cpp engine (``--engine llamacpp
+  --model FILE.gguf``: the same llama-server binary as the peer, managed by ember, the GGUF loaded
+  as it is; engine/llamacpp.py).
 
 Columns, per request, all measured at the client from the moment the request is sent:
 
@@ -122,6 +127,7 @@ PEER_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 THREADS = 2
 N_CTX = 2048
 CONFIGS = ("peer", "ember", "ember-llamacpp")
+PEER_SERVERS = ("llama-server", "llama-cpp-python")
 KNOWN_CONFIGS = (*CONFIGS, "peer-vim")  # peer-vim: the peer with --peer-prompt llama.vim
 # llama.vim's defaults (n_prefix/n_suffix lines, cache lookback) and the batch size that the
 # llama.vim/llama.vscode READMEs give for a CPU-only server with Qwen2.5-Coder-0.5B
@@ -157,7 +163,8 @@ class Model:
     name: str
     gguf: Path  # what llama.cpp loads
     folder: Path  # the same weights converted to safetensors: what vLLM loads, and the tokenizer
-    ember_arg: str  # --model for the embedded ember
+    ember_arg: str  # --model for the embedded vLLM ember
+    gguf_arg: str  # --model for the embedded llama.cpp ember
 
 
 def resolve(name: str) -> Model:
@@ -165,9 +172,10 @@ def resolve(name: str) -> Model:
     from engine.models import bundled_gguf
 
     if name == "smollm2":
-        return Model(name, bundled_gguf(), smollm2(), "bundled")
+        return Model(name, bundled_gguf(), smollm2(), "bundled", "bundled")
     folder = qwen_coder()
-    return Model(name, qwen_gguf(CACHE / "qwen-coder"), folder, str(folder))
+    gguf = qwen_gguf(CACHE / "qwen-coder")
+    return Model(name, gguf, folder, str(folder), str(gguf))
 
 
 # ------------------------------------------------------------------------------------ records
@@ -270,13 +278,10 @@ class EmberEditor(Editor):
         return record
 
 
-async def start_ember(name: str, args: argparse.Namespace, model: Model, engine_url: str | None) -> Stack:
+async def start_ember(name: str, args: argparse.Namespace, model: Model, engine: str) -> Stack:
     options = {"maxTokens": args.max_tokens, "timeoutMs": args.timeout_ms}
-    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
-    if engine_url:
-        command += ["--engine-url", engine_url]  # the model is what the server lists: its alias
-    else:
-        command += ["--model", model.ember_arg]
+    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING", "--engine", engine]
+    command += ["--model", model.gguf_arg if engine == "llamacpp" else model.ember_arg]
     client = LanguageClient("ember-peer-bench", "0.1")
     partials: dict[str, Callable[[Any], None]] = {}
 
@@ -339,28 +344,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# llama-cpp-python's server answers 400 (empty body) to a request whose X-Request-Id header is not
-# a UUID (starlette-context's RequestIdPlugin validates it); ember's remote engine sends
-# "ember-N". For ember-llamacpp only, the server is started with that check off; nothing else
-# changes (the peer's server is stock: its client sends no such header).
-_ANY_REQUEST_ID = (
-    "import sys, starlette_context.plugins.base as b; b.PluginUUIDBase.validate_uuid = lambda self, value: None; "
-    "from llama_cpp.server.__main__ import main; sys.argv[0] = 'llama_cpp.server'; main()"
-)
-
-
-async def start_llamacpp(label: str, model: Model, *, any_request_id: bool = False) -> PeerServer:
-    if not peer_python().exists():
-        raise SystemExit(f"no peer venv at {PEER_VENV}: run `{sys.executable} bench/peer.py --setup` first")
+async def start_llamacpp(label: str, model: Model, kind: str = "llama-server") -> PeerServer:
+    """The peer's server: ember's llama-server build, or llama-cpp-python's server (``--setup``)."""
     port = free_port()
-    # The alias is the converted folder: ember (remote engine) finds the model's tokenizer there and
-    # picks the same FIM template and token budgets as with its embedded engine.
-    command = [
-        str(peer_python()), *(("-c", _ANY_REQUEST_ID) if any_request_id else ("-m", "llama_cpp.server")),
-        "--model", str(model.gguf), "--model_alias", str(model.folder),
-        "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(N_CTX),
-        "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
-    ]
+    # The alias is the converted folder: ember's prompt source finds the model's tokenizer there.
+    if kind == "llama-server":
+        from engine.llama_build import server_binary
+
+        binary = server_binary()
+        if binary is None:
+            raise SystemExit("llama-server is not built: run `bash .ci/setup` (or python -m engine.llama_build)")
+        command = [
+            str(binary), "--model", str(model.gguf), "--alias", str(model.folder), "--host", "127.0.0.1", "--port", str(port),
+            "--ctx-size", str(N_CTX), "--threads", str(THREADS), "--threads-batch", str(THREADS),
+            "--batch-size", str(N_BATCH), "--ubatch-size", str(N_BATCH), "--cache-reuse", "256", "--no-webui",
+        ]
+    else:
+        if not peer_python().exists():
+            raise SystemExit(f"no peer venv at {PEER_VENV}: run `{sys.executable} bench/peer.py --setup` first")
+        command = [
+            str(peer_python()), "-m", "llama_cpp.server",
+            "--model", str(model.gguf), "--model_alias", str(model.folder),
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(N_CTX),
+            "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_batch", str(N_BATCH), "--n_ubatch", str(N_BATCH),
+        ]
     log = CACHE / "logs" / f"peer-{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=str(ROOT))
@@ -368,7 +375,7 @@ async def start_llamacpp(label: str, model: Model, *, any_request_id: bool = Fal
     async with httpx.AsyncClient(timeout=2) as client:
         for _ in range(600):
             if process.poll() is not None:
-                raise RuntimeError(f"llama-cpp-python server exited ({process.returncode}); see {log}")
+                raise RuntimeError(f"{kind} exited ({process.returncode}); see {log}")
             try:
                 if (await client.get(f"{url}/v1/models")).status_code == 200:
                     break
@@ -376,8 +383,17 @@ async def start_llamacpp(label: str, model: Model, *, any_request_id: bool = Fal
                 pass
             await asyncio.sleep(0.25)
         else:
-            raise TimeoutError(f"llama-cpp-python server did not start; see {log}")
+            raise TimeoutError(f"{kind} did not start; see {log}")
     return PeerServer(url, str(model.folder), process, command, log)
+
+
+def peer_label(kind: str) -> str:
+    """What the peer's server is, for the results: the build or the package."""
+    if kind == "llama-server":
+        from engine.llama_build import LLAMA_CPP_PYTHON, build_flags, build_key
+
+        return f"llama-server ({LLAMA_CPP_PYTHON} sdist's llama.cpp, build {build_key()}: {' '.join(build_flags()[-8:])})"
+    return f"{PEER_PACKAGE} (CMAKE_ARGS {PEER_CMAKE_ARGS})"
 
 
 def stop_llamacpp(server: PeerServer) -> None:
@@ -564,10 +580,10 @@ def _pos(text: str, offset: int) -> tuple[int, int]:
 
 async def start_peer(name: str, args: argparse.Namespace, model: Model, prompts: PromptSource, layout: str) -> tuple[Stack, PeerServer]:
     started = time.perf_counter()
-    server = await start_llamacpp(name, model)
+    server = await start_llamacpp(name, model, args.peer_server)
     http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
     load_s = time.perf_counter() - started
-    print(f"[{name}] llama-cpp-python up in {load_s:.1f} s on {server.url} (prompt layout: {layout})", flush=True)
+    print(f"[{name}] {args.peer_server} up in {load_s:.1f} s on {server.url} (prompt layout: {layout})", flush=True)
 
     async def close() -> dict[str, Any]:
         await http.aclose()
@@ -911,6 +927,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setup", action="store_true", help="build llama-cpp-python into bench/.cache/peer-venv and exit")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(KNOWN_CONFIGS)}")
     p.add_argument("--model", choices=("smollm2", "qwen-coder"), default="smollm2")
+    p.add_argument("--peer-server", choices=PEER_SERVERS, default="llama-server", help="the peer's server (default llama-server)")
     p.add_argument("--peer-prompt", choices=("ember", "llama.vim"), default="ember", help="prompt text of `peer` (peer-vim always uses llama.vim's)")
     p.add_argument("--requests", type=int, default=40, help="requests per configuration (default 40)")
     p.add_argument("--max-tokens", type=int, default=32, help="most tokens per completion, all stacks (default 32)")
@@ -963,12 +980,8 @@ async def main(argv: list[str] | None = None) -> int:
             if name in ("peer", "peer-vim"):
                 stack, server = await start_peer(name, args, model, prompts, "llama.vim" if name == "peer-vim" else args.peer_prompt)
                 servers.append((name, server))
-            elif name == "ember":
-                stack = await start_ember(name, args, model, None)
             else:
-                server = await start_llamacpp(name, model, any_request_id=True)
-                servers.append((name, server))
-                stack = await start_ember(name, args, model, f"{server.url}/v1")
+                stack = await start_ember(name, args, model, "llamacpp" if name == "ember-llamacpp" else "vllm")
             stacks.append(stack)
         monitor.start()
         turns = await run_replay(stacks, files, args)
@@ -1008,7 +1021,7 @@ async def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
-    plotted = plot(records, png, f"ember vs llama.cpp server (llama-cpp-python, llama.vim-style client): {args.model}, typing replay")
+    plotted = plot(records, png, f"ember vs llama.cpp's server ({args.peer_server}, llama.vim-style client): {args.model}, typing replay")
     busy_after = busy_processes()
     out.write_text(
         json.dumps(
@@ -1020,7 +1033,8 @@ async def main(argv: list[str] | None = None) -> int:
                             "busy_processes_before": busy_before, "busy_processes_after": busy_after,
                             "other_processes_during_replay": load},
                 "model": {"name": args.model, "gguf": str(model.gguf), "folder": str(model.folder), "fim_template": prompts.template.name},
-                "peer": {"package": PEER_PACKAGE, "cmake_args": PEER_CMAKE_ARGS, "threads": THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH},
+                "peer": {"server": peer_label(args.peer_server), "threads": THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
+                         "command": next((s.command for n, s in servers if n.startswith("peer")), None)},
                 "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
                 "runs": runs,
                 "turns": turns,

@@ -339,6 +339,8 @@ async def start_server(name: str, args: argparse.Namespace) -> Server:
     config, root = config_and_root(name, args)
     options = {"maxTokens": args.max_tokens, **config}
     command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING", "--model", args.model]
+    if args.engine:
+        command += ["--engine", args.engine]
     for engine_arg in args.engine_arg:
         command += ["--engine-arg", engine_arg]
     client = LanguageClient("ember-replay", "0.1")
@@ -610,6 +612,7 @@ async def main() -> int:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a vLLM engine argument for every server (repeatable), as ember --engine-arg")
     parser.add_argument("--model", default="bundled", help="passed to the server as --model (default: bundled, SmolLM2-135M)")
+    parser.add_argument("--engine", choices=("auto", "vllm", "llamacpp"), help="passed to every server as --engine (default: ember's choice)")
     parser.add_argument("--workspace", type=Path,
                         help="a package folder (e.g. bench/.cache/crossfile-repos/requests-2.32.3, laid out by "
                         "../shared/eval/fetch-crossfile-repos.sh) that is the editor's workspace: its files are replayed")

@@ -512,7 +512,8 @@ def peer(path: Path) -> list[str]:
         f"- command (from the recorded args): `{command_from_args('bench/peer.py', args)}`" if args
         else "- command: not recorded",
         f"- model {get(data, 'model', 'name', default='-')}, FIM template {get(data, 'model', 'fim_template', default='-')}; "
-        f"peer {get(data, 'peer', 'package', default='-')}, {get(data, 'peer', 'threads', default='-')} threads",
+        f"peer {get(data, 'peer', 'server', default=None) or get(data, 'peer', 'package', default='-')}, "
+        f"{get(data, 'peer', 'threads', default='-')} threads",
         f"- took: {took or 'not recorded'}",
         f"- other processes kept {num(get(others, 'foreign_cores_mean'), '.2f')} cores busy on average "
         f"(max {num(get(others, 'foreign_cores_max'), '.2f')}) during the replay"

@@ -30,6 +30,9 @@ class GenerationParams:
     # False for a request that is only worth it on the replica chosen for it (a warm-up filling
     # that replica's prefix cache): a slow first token does not move it to another replica.
     failover: bool = True
+    # Only to fill the engine's prefix cache (a warm-up, max_tokens 1): an engine that knows the
+    # prompt is cached already may end it at once without generating.
+    warm_up: bool = False
 
 
 @dataclass

@@ -8,11 +8,13 @@ back to the bundled SmolLM2 at once and says why (:attr:`ResolvedModel.fallback_
 is asked again on the next start. A model the user names is never replaced by another.
 
 vLLM 0.32 does not load GGUF in its core, so a GGUF file is converted once, with transformers, to a
-safetensors folder under the cache directory and served from there.
+safetensors folder under the cache directory and served from there. llama.cpp loads the GGUF file
+itself (:func:`resolve_gguf`); :func:`choose_engine` says which of the two serves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -35,6 +37,11 @@ BUNDLED_SPEC = "bundled"  # what --model / EMBER_MODEL say to ask for the bundle
 # The default code models (base models trained for fill-in-the-middle), by hardware.
 DEFAULT_GPU_MODEL = "Qwen/Qwen2.5-Coder-1.5B"
 DEFAULT_CPU_MODEL = "Qwen/Qwen2.5-Coder-0.5B"
+# llama.cpp's default: the same base model as GGUF, in the quantization llama.vim's presets use.
+DEFAULT_GGUF_MODEL = "ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF"
+# Which GGUF file of a repo or folder that holds several (quantizations) llama.cpp loads.
+GGUF_PREFERENCE = ("q4_k_m", "q8_0", "q5_k_m", "q4_0")
+ENGINES = ("vllm", "llamacpp")
 # Replaces the hub id that the default picks (tests point it at a small model on a local hub).
 DEFAULT_MODEL_ENV = "EMBER_DEFAULT_MODEL"
 # How long the first question to the hub may take before ember falls back (or, for a model the
@@ -212,6 +219,123 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None, progress: Loa
         raise ModelResolutionError(
             f"model {spec!r} is not in the Hugging Face cache and the hub is out of reach: {exc}"
         ) from exc
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    kind: str  # "vllm" | "llamacpp"
+    reason: str  # why, in words for ember/stats, the log and the demo's first line
+
+
+def has_cuda_gpu() -> bool:
+    """Whether an NVIDIA GPU is visible, without importing torch (seconds): the driver lists its
+    GPUs under /proc, and CUDA_VISIBLE_DEVICES="" or "-1" hides them."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+def choose_engine(requested: str | None, model: str | None, cuda: bool | None = None) -> EngineChoice:
+    """vLLM where a CUDA GPU serves it; else llama.cpp, which decodes 4-bit GGUF weights where
+    vLLM's CPU build decodes bf16 ones (bench/peer.py, bench/cold_start.py). A model only vLLM
+    loads (a safetensors folder, a hub id that names no GGUF repo) goes to vLLM; the user's
+    ``requested`` engine always wins."""
+    if requested in ENGINES:
+        return EngineChoice(requested, "asked for (--engine / the engine setting)")
+    if cuda if cuda is not None else has_cuda_gpu():
+        return EngineChoice("vllm", "a CUDA GPU is present: vLLM serves it")
+    if model and model != BUNDLED_SPEC and not _gguf_like(model):
+        return EngineChoice("vllm", f"no CUDA GPU, but {model} is not a GGUF model, which llama.cpp needs")
+    return EngineChoice("llamacpp", "no CUDA GPU: llama.cpp decodes 4-bit GGUF weights faster than vLLM's CPU build")
+
+
+def _gguf_like(spec: str) -> bool:
+    path = Path(os.path.expanduser(spec))
+    if path.suffix.lower() == ".gguf":
+        return True
+    if path.is_dir():
+        return any(path.glob("*.gguf"))
+    return "gguf" in spec.lower()  # a hub id: GGUF repos say so in their names
+
+
+def pick_gguf(names: list[str]) -> str | None:
+    """The GGUF file to load of several (a repo or folder of quantizations), by GGUF_PREFERENCE."""
+    ggufs = sorted(n for n in names if n.lower().endswith(".gguf") and "mmproj" not in n.lower())
+    for quant in GGUF_PREFERENCE:
+        for name in ggufs:
+            if quant in name.lower():
+                return name
+    return ggufs[0] if ggufs else None
+
+
+def resolve_gguf(spec: str | None, progress: LoadProgress | None = None) -> ResolvedModel:
+    """What llama.cpp loads, as :func:`resolve_model` does for vLLM, but a GGUF file, unconverted:
+    the bundled one, a ``.gguf`` file, one in a folder, or one from a GGUF repo on the hub (the
+    default :data:`DEFAULT_GGUF_MODEL`, the bundled model when the hub is out of reach)."""
+    progress = progress or LoadProgress()
+    if not spec:
+        wanted = os.environ.get(DEFAULT_MODEL_ENV) or DEFAULT_GGUF_MODEL
+        try:
+            return ResolvedModel(str(fetch_hub_gguf(wanted, progress)), wanted, "hub")
+        except HubUnreachable as exc:
+            log.warning("gave up on the hub for %s (%s); using the bundled %s", wanted, exc, BUNDLED_NAME)
+            reason = FALLBACK_ADVICE.format(bundled=BUNDLED_NAME, wanted=wanted, reason=exc)
+            return ResolvedModel(str(bundled_gguf()), BUNDLED_NAME, "bundled", fallback_reason=reason)
+    if spec == BUNDLED_SPEC:
+        return ResolvedModel(str(bundled_gguf()), BUNDLED_NAME, "bundled")
+    path = Path(os.path.expanduser(spec))
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelResolutionError(f"GGUF file not found: {path}")
+        return ResolvedModel(str(path.resolve()), path.stem, "gguf")
+    if path.is_dir():
+        name = pick_gguf([p.name for p in path.iterdir()])
+        if name is None:
+            raise ModelResolutionError(
+                f"{path} holds no .gguf file, which llama.cpp loads: pass --engine vllm for a safetensors folder"
+            )
+        return ResolvedModel(str((path / name).resolve()), Path(name).stem, "gguf")
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelResolutionError(f"model {spec!r} is neither a .gguf file, a folder holding one nor a Hugging Face id")
+    try:
+        return ResolvedModel(str(fetch_hub_gguf(spec, progress)), spec, "hub")
+    except HubUnreachable as exc:
+        raise ModelResolutionError(f"model {spec!r} is not in the Hugging Face cache and the hub is out of reach: {exc}") from exc
+
+
+def fetch_hub_gguf(repo_id: str, progress: LoadProgress) -> Path:
+    """One GGUF file of the hub repo ``repo_id`` (:func:`pick_gguf`), from the Hugging Face cache
+    when it is there, else downloaded with progress, as :func:`fetch_hub_model` does."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+    progress.set("resolving", repo_id)
+    with contextlib.suppress(Exception):  # not cached: ask the hub
+        folder = Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=["*.gguf"]))
+        name = pick_gguf([p.name for p in folder.iterdir()])
+        if name is not None:
+            return folder / name
+    if constants.is_offline_mode():
+        raise HubUnreachable(f"HF_HUB_OFFLINE is set and {repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})")
+    info = _ask_hub(repo_id)
+    sizes = {s.rfilename: int(s.size or 0) for s in (info.siblings or [])}
+    name = pick_gguf(list(sizes))
+    if name is None:
+        raise ModelResolutionError(f"model {repo_id!r} on the hub has no .gguf file for llama.cpp: pass --engine vllm")
+    progress.set("downloading", repo_id, 0, sizes[name])
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch_download, args=(repo_id, progress, done), daemon=True)
+    watcher.start()
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=[name], etag_timeout=HUB_TIMEOUT_S))
+    except Exception as exc:  # a download cut short: the hub is not usable now
+        raise HubUnreachable(f"downloading {repo_id} from {constants.ENDPOINT} failed: {_brief(exc)}") from exc
+    finally:
+        done.set()
+        watcher.join()
+    return folder / name
 
 
 # ------------------------------------------------------------------------------ the model hub

@@ -48,7 +48,18 @@ from engine.routing import (
     router_workers,
     session_id,
 )
-from engine.sse import DONE, Malformed, Usage, choice_logprobs, choice_text, decode_event, events, int_or_none, parse_usage
+from engine.sse import (
+    DONE,
+    Malformed,
+    Usage,
+    choice_logprobs,
+    choice_text,
+    decode_event,
+    events,
+    int_or_none,
+    parse_usage,
+    prompt_timings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +183,8 @@ class RemoteEngine:
         verify: bool | str | ssl.SSLContext = True,
         max_resumes: int = 2,
         retry_backoff: tuple[float, ...] = (0.25, 0.5, 1.0),
+        uds: str | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         """``connect_timeout``: TCP/TLS connect. ``first_token_timeout``: request sent -> first
         text (queueing and prefill included); past it the replica counts as failed and the next one
@@ -182,7 +195,11 @@ class RemoteEngine:
         replicas); ``silent_polls_down`` polls in a row without an answer take a replica out.
         ``verify``: TLS verification: True (system CAs), False, a CA bundle path or an SSLContext.
         ``max_resumes``: how often a stream that broke mid-way is resumed elsewhere.
-        ``retry_backoff``: pauses before repeating a round in which every replica answered 5xx."""
+        ``retry_backoff``: pauses before repeating a round in which every replica answered 5xx.
+        ``uds``: reach the server over this Unix socket (the URL then names no host that is
+        dialled). ``tokenizer``: counts tokens, instead of a tokenizer found for the model.
+        ``request_fields``: fields added to each request's body, from its routing key (llama.cpp's
+        ``id_slot``)."""
         if not urls:
             raise ValueError("RemoteEngine needs at least one URL")
         self.replicas = [Replica(url=u, name=redact_url(u)) for u in dict.fromkeys(normalize_url(u) for u in urls)]
@@ -203,7 +220,12 @@ class RemoteEngine:
         self._verify = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
         self._client: httpx.AsyncClient | None = None
         self._model: ModelInfo | None = None
+        self._uds = uds
+        self._given_tokenizer = tokenizer
         self._tokenizer: Tokenizer | None = None
+        # The server is llama.cpp's (its /v1/models entries carry `meta`): it reports sampled
+        # tokens' log-probabilities only when asked with its own field, n_probs.
+        self.llama_cpp = False
         self._active: dict[str, _Active] = {}
         self._streams: set[str] = set()  # request ids whose stream() runs
         self._aborted: set[str] = set()  # of those, aborted between two attempts
@@ -243,9 +265,12 @@ class RemoteEngine:
             raise EngineError(self._scrub(f"no engine server answered ({reasons})"))
         await asyncio.gather(*(self._read_workers(r) for r, _ in alive))
         name, lengths, roots = self._pick_model(alive)
-        hf_tok = await self._load_tokenizer(name, roots)
+        self.llama_cpp = any(isinstance(m.get("meta"), dict) for _, models in alive for m in models)
+        hf_tok = None if self._given_tokenizer is not None else await self._load_tokenizer(name, roots)
         special: frozenset[str] = frozenset()
-        if hf_tok is not None:
+        if self._given_tokenizer is not None:
+            self._tokenizer = self._given_tokenizer
+        elif hf_tok is not None:
             from engine.embedded import HFTokenizer
 
             vocab = hf_tok.get_vocab() if hasattr(hf_tok, "get_vocab") else {}
@@ -266,12 +291,14 @@ class RemoteEngine:
                 log.info("%s is a router with %d of %d workers healthy", r.name, *r.router_workers)
 
     async def stream(
-        self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
+        self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None,
+        fields: dict[str, Any] | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """Chunks of the completion (see :meth:`_serve` for the choice of replica). A stream that
         breaks after text has been yielded is resumed: the prompt plus the text so far, for the
         tokens left, on the next replica (or through the same router, on another worker), up to
-        ``max_resumes`` times; with greedy decoding it goes on as the broken stream would have."""
+        ``max_resumes`` times; with greedy decoding it goes on as the broken stream would have.
+        ``fields``: more of the request's body (llama.cpp's ``id_slot``)."""
         if not self.ready:
             raise EngineNotReady("not connected to the engine server yet")
         sent, tokens, broken = "", 0, ""
@@ -285,7 +312,8 @@ class RemoteEngine:
                     return
                 left = replace(params, max_tokens=params.max_tokens - tokens)
                 try:
-                    served = self._serve(self._body(prompt + sent, left), request_id, routing_key, first_token_s)
+                    body = {**self._body(prompt + sent, left), **(fields or {})}
+                    served = self._serve(body, request_id, routing_key, first_token_s)
                     async with contextlib.aclosing(served) as chunks:
                         async for chunk in chunks:
                             sent += chunk.text
@@ -412,6 +440,12 @@ class RemoteEngine:
             body["stop"] = list(params.stop)
         if params.logprobs:
             body["logprobs"] = 0  # the sampled tokens' own, no alternatives
+            if self.llama_cpp:
+                body["n_probs"] = 1  # llama.cpp: the sampled token's (and the top one's)
+        if self.llama_cpp:
+            # Every event then carries the prompt's processed and cached token counts: usage comes
+            # only after the last token, which a caller that stops early never reads.
+            body["timings_per_token"] = True
         return body
 
     async def _produce(
@@ -543,6 +577,7 @@ class RemoteEngine:
             detail = error.get("message", error) if isinstance(error, dict) else error
             raise EngineError(self._scrub(f"{replica.name} reported an error: {detail}"))
         progress.usage = parse_usage(event.get("usage")) or progress.usage
+        prompt = prompt_timings(event.get("timings")) if not progress.yielded else None
         chunks = []
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -552,7 +587,10 @@ class RemoteEngine:
             if text:
                 progress.yielded += 1
                 progress.counted += 1
-                chunks.append(Chunk(text=text, token_count=1, logprobs=choice_logprobs(choice)))
+                chunk = Chunk(text=text, token_count=1, logprobs=choice_logprobs(choice))
+                if prompt is not None and progress.yielded == 1:
+                    chunk.prompt_tokens, chunk.cached_tokens = prompt.prompt_tokens, prompt.cached_tokens
+                chunks.append(chunk)
             if finish:
                 progress.final = Chunk(text="", finish_reason=str(finish))
         return chunks
@@ -751,7 +789,9 @@ class RemoteEngine:
             http2 = True
         except ImportError:
             http2 = False
+        limits = httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=self._max_connections)
         return httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=self._uds, limits=limits) if self._uds else None,
             # HTTP/2 is negotiated over TLS when the server offers it; vLLM speaks HTTP/1.1, where
             # keep-alive pooling saves a connect per request.
             http2=http2,
@@ -760,7 +800,7 @@ class RemoteEngine:
             # No httpx read timeout: first-token and between-token deadlines are enforced per
             # request, where a timeout can move the request to another replica.
             timeout=httpx.Timeout(connect=self.connect_timeout, read=None, write=self.connect_timeout, pool=self.connect_timeout),
-            limits=httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=self._max_connections),
+            limits=limits,
         )
 
     def _probe_timeouts(self) -> httpx.Timeout:

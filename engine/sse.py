@@ -44,6 +44,17 @@ def parse_usage(usage: Any) -> Usage | None:
     )
 
 
+def prompt_timings(timings: Any) -> Usage | None:
+    """llama.cpp's per-event ``timings`` (with ``timings_per_token``): the prompt's tokens taken
+    from the cache (``cache_n``) and processed (``prompt_n``)."""
+    if not isinstance(timings, dict):
+        return None
+    cached, processed = int_or_none(timings.get("cache_n")), int_or_none(timings.get("prompt_n"))
+    if cached is None or processed is None:
+        return None
+    return Usage(prompt_tokens=cached + processed, cached_tokens=cached)
+
+
 def choice_text(choice: dict[str, Any]) -> str:
     """``text`` for completions; ``delta.content`` tolerated for servers that answer chat-style."""
     text = choice.get("text")
@@ -56,12 +67,16 @@ def choice_text(choice: dict[str, Any]) -> str:
 
 
 def choice_logprobs(choice: dict[str, Any]) -> tuple[float, ...]:
-    """The sampled tokens' log-probabilities of a completions choice (``logprobs.token_logprobs``;
-    a server that sent none, or nulls, gives what it has)."""
+    """The sampled tokens' log-probabilities of a completions choice: OpenAI's and vLLM's
+    ``logprobs.token_logprobs``, or llama.cpp's ``logprobs.content[].logprob`` (a server that sent
+    none, or nulls, gives what it has)."""
     logprobs = choice.get("logprobs")
-    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
-    if not isinstance(values, list):
+    if not isinstance(logprobs, dict):
         return ()
+    values = logprobs.get("token_logprobs")
+    if not isinstance(values, list):
+        content = logprobs.get("content")
+        values = [entry.get("logprob") for entry in content if isinstance(entry, dict)] if isinstance(content, list) else []
     return tuple(float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 

@@ -67,6 +67,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "name on the server",
     )
     parser.add_argument(
+        "--engine",
+        choices=("auto", "vllm", "llamacpp"),
+        default=os.environ.get("EMBER_ENGINE") or None,
+        help="the embedded engine: 'auto' (default, or $EMBER_ENGINE) is vLLM on a CUDA GPU and llama.cpp "
+        "elsewhere (it decodes 4-bit GGUF weights, twice as fast on a CPU); 'vllm' or 'llamacpp' to choose",
+    )
+    parser.add_argument(
         "--engine-url",
         action="append",
         default=[],
@@ -149,6 +156,7 @@ def cli_options(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or (None if args.engine_url else os.environ.get("EMBER_MODEL") or None)
     options = {
         "model": model,
+        "engine": args.engine,
         "engineUrl": args.engine_url or None,
         "maxTokens": args.max_tokens,
         "debounceMs": args.debounce_ms,
@@ -270,6 +278,8 @@ def configure_logging(level: str, filename: str | None, *, log_protocol: bool) -
     if not log_protocol:
         # pygls logs whole messages (didOpen text, completions, initializationOptions) at INFO/DEBUG.
         logging.getLogger("pygls").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
+    # httpx logs every request at INFO: a line per completion and per probe of the engine server.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
 
 
 def refuse_args(args: argparse.Namespace, settings: Settings, tcp: tuple[str, int] | None) -> str | None:

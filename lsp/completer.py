@@ -360,7 +360,7 @@ class Completer:
         return True
 
     async def _prefill(self, engine: Engine, text: str, request_id: str, routing_key: str) -> None:
-        params = GenerationParams(max_tokens=1, failover=False)
+        params = GenerationParams(max_tokens=1, failover=False, warm_up=True)
         async for _ in engine.stream(text, params, request_id, routing_key=routing_key):
             pass
 

@@ -35,6 +35,9 @@ USEFUL_ENGINE_ARGS: dict[str, str] = {
 @dataclass(frozen=True)
 class Settings:
     model: str | None = None
+    # The embedded engine: "auto" (vLLM on a CUDA GPU, else llama.cpp; engine.models.choose_engine),
+    # "vllm" or "llamacpp". Not read with engine_url (the remote server is the engine).
+    engine: str = "auto"
     engine_url: tuple[str, ...] = ()
     max_tokens: int = 64
     temperature: float = 0.0
@@ -49,7 +52,8 @@ class Settings:
     # engine finish into the cache (accepting them then shows the rest at once). 0 = wait for all.
     early_answer_ms: int = 400
     fim_template: str | None = None
-    # vLLM engine arguments over ember's defaults (start-up only, embedded engine only), as
+    # Engine arguments over ember's defaults (start-up only, embedded engine only: vLLM's
+    # AsyncEngineArgs fields, or llama-server's flags with underscores for llama.cpp), as
     # (key, JSON text) pairs sorted by key so that Settings stays hashable: see engine_arg_dict().
     engine_args: tuple[tuple[str, str], ...] = ()
     max_document_bytes: int = 10_000_000
@@ -96,6 +100,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "prompt_strategy": ("ast", "naive"),
     "postprocess": ("syntax", "plain"),
     "cross_file": ("off", "open", "workspace"),
+    "engine": ("auto", "vllm", "llamacpp"),
 }
 # Values that older settings used, read as today's.
 _ALIASES: dict[str, dict[bool, str]] = {"cross_file": {True: "workspace", False: "off"}}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -93,6 +94,8 @@ def engine_options(settings: Settings) -> dict[str, Any]:
         "engineUrl": list(settings.engine_url),
         "prefixCache": settings.prefix_cache,
     }
+    if not settings.engine_url:
+        options["engine"] = settings.engine  # with a URL, the remote server is the engine
     if settings.engine_url:
         options["timeoutMs"] = settings.timeout_ms  # the remote client's fail-over timeouts derive from it
     if settings.engine_args:
@@ -103,7 +106,8 @@ def engine_options(settings: Settings) -> dict[str, Any]:
 # Environment that changes which model an engine loads, or where: windows that differ in it get
 # daemons of their own (a daemon keeps the environment of the window that started it).
 ENGINE_ENVIRONMENT = (
-    "EMBER_DEFAULT_MODEL", "HF_ENDPOINT", "HF_HOME", "HF_HUB_OFFLINE", "CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE"
+    "EMBER_DEFAULT_MODEL", "HF_ENDPOINT", "HF_HOME", "HF_HUB_OFFLINE", "CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE",
+    "EMBER_LLAMA_SERVER",
 )
 
 
@@ -317,6 +321,8 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 1),
             "idle_exit_s": self.idle_s,
             "engine": engine_options(self.core.settings),
+            # The embedded engine serving ("vllm" | "llamacpp"; None for a remote server), and why.
+            "serving": dataclasses.asdict(self.core.engine_choice) if self.core.engine_choice else None,
             "ready": self.core.check_engine(),  # as every request does: a dead engine is replaced
             "stage": self.stage(),
         }

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 
 from engine.base import Engine
-from engine.models import LoadProgress
+from engine.models import EngineChoice, LoadProgress, ResolvedModel, choose_engine
 from lsp.completer import Completer
 from lsp.config import Settings, vllm_flags
 from lsp.metrics import Metrics
@@ -60,6 +60,8 @@ class EmberCore:
         self._backoff_s = 1.0
         self.restarts = 0
         self.engine_starts = 0
+        # Which embedded engine serves and why (None with an engine URL: the remote server is it).
+        self.engine_choice: EngineChoice | None = None if settings.engine_url else choose_engine(settings.engine, settings.model)
         # What the process serving this core says of itself in ember/stats (the daemon sets it).
         self.host_info: Callable[[], dict[str, Any]] | None = None
         # The workspace folders' indexes, shared by the sessions (editors) that have them open.
@@ -114,6 +116,8 @@ class EmberCore:
         """Start loading the model once; later calls return the same task."""
         if self._start_task is None:
             self._engine_settings = settings or self.settings
+            if not self._engine_settings.engine_url:
+                self.engine_choice = choose_engine(self._engine_settings.engine, self._engine_settings.model)
             stage = "loading" if self._engine_settings.engine_url else "resolving"
             self.load_progress.set(stage, model_label(self._engine_settings))
             self._start_task = asyncio.get_running_loop().create_task(self._start(self._engine_settings))
@@ -165,8 +169,10 @@ def remote_engine_args_note(settings: Settings) -> str | None:
 
 
 def default_engine_factory(settings: Settings, progress: LoadProgress, *, long_lived: bool = False) -> Engine:
-    """Remote when an engine URL is configured, else embedded vLLM (resolving the model may
-    download it or convert a GGUF file: this runs in a worker thread, telling ``progress``)."""
+    """Remote when an engine URL is configured, else the embedded engine that
+    :func:`engine.models.choose_engine` picks: llama.cpp (a GGUF file, loaded as it is) or vLLM
+    (resolving the model may download it or convert a GGUF file: this runs in a worker thread,
+    telling ``progress``)."""
     if settings.engine_url:
         from engine.remote import RemoteEngine
 
@@ -179,6 +185,10 @@ def default_engine_factory(settings: Settings, progress: LoadProgress, *, long_l
             first_token_timeout=max(2.0, deadline_s / 3) if len(settings.engine_url) > 1 else deadline_s,
             read_timeout=max(5.0, deadline_s / 2),
         )
+    choice = choose_engine(settings.engine, settings.model)
+    log.info("engine: %s (%s)", choice.kind, choice.reason)
+    if choice.kind == "llamacpp":
+        return llamacpp_engine(settings, progress)
     from engine.embedded import EmbeddedConfig, EmbeddedEngine, eager_on_cpu, prestart
     from engine.models import resolve_model
 
@@ -190,14 +200,31 @@ def default_engine_factory(settings: Settings, progress: LoadProgress, *, long_l
         engine_args=settings.engine_arg_dict(),
     )
     prestart(eager_on_cpu(config))  # the engine core's imports begin beside resolving the model
+    model = resolve_reported(resolve_model, settings.model, progress, then="loading")
+    config = dataclasses.replace(config, model_path=model.path, model_name=model.name)
+    return EmbeddedEngine(config, on_stage=lambda stage: progress.set(stage, model.name))
+
+
+def resolve_reported(
+    resolve: Callable[..., ResolvedModel], spec: str | None, progress: LoadProgress, *, then: str
+) -> ResolvedModel:
+    """``resolve(spec)``, logged, its fallback told to the editor, and the load's next stage set."""
     started = time.monotonic()
-    model = resolve_model(settings.model, progress=progress)
+    model = resolve(spec, progress=progress)
     log.info("model %s (%s: %s), resolved in %.1f s", model.name, model.source, model.path, time.monotonic() - started)
     if model.fallback_reason:
         progress.set_fallback(model.fallback_reason)
-    progress.set("loading", model.name)
-    config = dataclasses.replace(config, model_path=model.path, model_name=model.name)
-    return EmbeddedEngine(config, on_stage=lambda stage: progress.set(stage, model.name))
+    progress.set(then, model.name)
+    return model
+
+
+def llamacpp_engine(settings: Settings, progress: LoadProgress) -> Engine:
+    """llama.cpp's server on the model's GGUF file (found, or fetched from a GGUF repo; never converted)."""
+    from engine.llamacpp import LlamaCppConfig, LlamaCppEngine
+    from engine.models import resolve_gguf
+
+    model = resolve_reported(resolve_gguf, settings.model, progress, then="starting")
+    return LlamaCppEngine(LlamaCppConfig(gguf=model.path, model_name=model.name, engine_args=settings.engine_arg_dict()))
 
 
 async def close_and_exit(core: EmberCore, code: int, grace_s: float = 4.0) -> None:

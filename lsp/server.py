@@ -31,7 +31,7 @@ from lsp.workspaces import folder_paths, uri_path
 log = logging.getLogger(__name__)
 
 # Settings that only take effect when the engine starts (setting name -> Settings field).
-STARTUP_SETTINGS = {"model": "model", "engineUrl": "engine_url", "engineArgs": "engine_args"}
+STARTUP_SETTINGS = {"model": "model", "engine": "engine", "engineUrl": "engine_url", "engineArgs": "engine_args"}
 WARMUP_PAUSE_S = 0.4
 
 

@@ -49,6 +49,9 @@ def engine_state(ls: EmberServer) -> dict[str, Any]:
         "max_model_len": engine.model.max_model_len if engine is not None else None,
         "budget": budget_stats(ls.settings, engine.model.max_model_len) if engine is not None else None,
         "long_lived": core.long_lived,
+        # The embedded engine that serves ("vllm" | "llamacpp") and why; None for a remote server.
+        "kind": core.engine_choice.kind if core.engine_choice else None,
+        "why": core.engine_choice.reason if core.engine_choice else None,
     }
     engine_args = getattr(engine, "engine_args", None)
     if isinstance(engine_args, dict):

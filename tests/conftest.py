@@ -25,6 +25,9 @@ from pytest_lsp import ClientServerConfig, LanguageClient
 # still ask, the Hugging Face client answers from the cache at once instead of going online).
 os.environ.setdefault("EMBER_MODEL", "bundled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The tests that do not name an engine run on vLLM, as before llama.cpp became the CPU's default:
+# tests/test_llamacpp.py runs llama.cpp's server under the same kinds of tests.
+os.environ.setdefault("EMBER_ENGINE", "vllm")
 
 DATA = Path(__file__).parent / "data"
 # The public eval sets: ../shared/eval beside the checkout (as CI lays it out), or $EMBER_EVAL_DIR.

@@ -12,6 +12,8 @@ export interface EmberSettings {
   /** Token for TCP servers started with --token. */
   token: string;
   model: string;
+  /** "vllm" or "llamacpp"; empty: the server's choice by hardware (llama.cpp without a CUDA GPU). */
+  engine: string;
   /** A FIM template name for a model ember does not recognize; empty: chosen from the model. */
   fimTemplate: string;
   engineUrl: string[];
@@ -40,6 +42,7 @@ export const DEFAULT_SETTINGS: EmberSettings = {
   tcp: '',
   token: '',
   model: '',
+  engine: '',
   fimTemplate: '',
   engineUrl: [],
   maxTokens: undefined,
@@ -58,6 +61,7 @@ export const DEFAULT_SETTINGS: EmberSettings = {
 };
 
 const CROSS_FILE_MODES = ['workspace', 'open', 'off'];
+const ENGINES = ['auto', 'vllm', 'llamacpp'];
 
 function str(v: unknown, fallback: string): string {
   return typeof v === 'string' ? v.trim() : fallback;
@@ -95,6 +99,7 @@ export function readSettings(get: (key: string) => unknown): EmberSettings {
     tcp: str(get('tcp'), ''),
     token: str(get('token'), ''),
     model: str(get('model'), ''),
+    engine: oneOf(str(get('engine'), ''), ENGINES),
     fimTemplate: str(get('fimTemplate'), ''),
     engineUrl: urls(get('engineUrl')),
     maxTokens: num(get('maxTokens'), true),
@@ -121,6 +126,7 @@ export function readSettings(get: (key: string) => unknown): EmberSettings {
 export function toInitializationOptions(s: EmberSettings): Record<string, unknown> {
   const o: Record<string, unknown> = {};
   if (s.model) o.model = s.model;
+  if (s.engine) o.engine = s.engine;
   if (s.fimTemplate) o.fimTemplate = s.fimTemplate;
   if (s.engineUrl.length === 1) o.engineUrl = s.engineUrl[0];
   else if (s.engineUrl.length > 1) o.engineUrl = [...s.engineUrl];
@@ -183,6 +189,7 @@ export function connection(s: EmberSettings): Connection {
   }
   const args = ['--stdio'];
   if (s.model) args.push('--model', s.model);
+  if (s.engine) args.push('--engine', s.engine);
   for (const url of s.engineUrl) args.push('--engine-url', url);
   if (s.maxTokens !== undefined) args.push('--max-tokens', String(s.maxTokens));
   if (s.debounceMs !== undefined) args.push('--debounce-ms', String(s.debounceMs));

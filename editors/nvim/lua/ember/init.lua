@@ -12,7 +12,7 @@
 --                                                      -- workspace/didChangeConfiguration {ember=...}
 --   })
 --
--- Keys of `settings` (camelCase, all optional): model, engineUrl (string or list), maxTokens,
+-- Keys of `settings` (camelCase, all optional): model, engine, engineUrl (string or list), maxTokens,
 -- debounceMs, contextTokens, temperature, earlyAnswerMs, maxRequestsPerSecond, token (for TCP
 -- servers that require one).
 --

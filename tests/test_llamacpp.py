@@ -1,0 +1,383 @@
+"""The llama.cpp engine with its real server (ember's own build, the bundled SmolLM2 GGUF): the
+engine alone, under the engine host, through ``ember --stdio`` and through the daemon.
+
+The build is made by the README's set-up (``bash .ci/setup``); a missing build fails these tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from engine.base import EngineError, GenerationParams
+from engine.llama_build import SERVER_ENV, server_binary
+from engine.llamacpp import LlamaCppConfig, LlamaCppEngine, SlotTable, engine_args_problem, server_flags
+from engine.models import BUNDLED_NAME, bundled_gguf, choose_engine, pick_gguf, resolve_gguf
+from engine.routing import parse_prometheus
+from lsp.config import Settings
+from lsp.engine_host import EmberCore
+from tests.conftest import DATA, wait_ready
+from tests.test_daemon import Window, daemon_processes
+from tests.test_server import type_text
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = (DATA / "inventory.py").read_text()
+# A prompt the bundled model goes on with for as long as it may (no stop, no end of text soon).
+RAMBLE = CODE + "\n\n# A list of one hundred product names, one per line:\n# 1."
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+async def engine() -> AsyncIterator[LlamaCppEngine]:
+    served = LlamaCppEngine(LlamaCppConfig(gguf=str(bundled_gguf()), model_name=BUNDLED_NAME))
+    await served.start()
+    try:
+        yield served
+    finally:
+        await served.close()
+
+
+async def metrics(engine: LlamaCppEngine) -> dict[str, float]:
+    """The server's own counters (llama.cpp's Prometheus names, prefix dropped)."""
+    assert engine.socket_path is not None
+    async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=engine.socket_path)) as http:
+        text = (await http.get("http://llama-server/metrics")).text
+    return {sample.name.removeprefix("llamacpp:"): sample.value for sample in parse_prometheus(text)}
+
+
+async def idle(engine: LlamaCppEngine, timeout_s: float = 10.0) -> dict[str, float]:
+    """The server's counters once it processes no request (a cancellation lands at the next
+    token step, which takes a while on two busy cores)."""
+    deadline = time.monotonic() + timeout_s
+    while (current := await metrics(engine))["requests_processing"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert current["requests_processing"] == 0, "the server still processes a cancelled request"
+    return current
+
+
+async def collect(engine: LlamaCppEngine, prompt: str, request_id: str, key: str | None = None, **params: object) -> list:
+    generation = GenerationParams(**params)  # type: ignore[arg-type]
+    return [chunk async for chunk in engine.stream(prompt, generation, request_id, routing_key=key)]
+
+
+# ------------------------------------------------------------------------------ the engine alone
+
+
+async def test_streams_text_with_log_probabilities_and_reports_the_reused_prefix(engine: LlamaCppEngine) -> None:
+    prompt = CODE + "\n\ndef total_value(items):\n    return "
+    first = await collect(engine, prompt, "first", max_tokens=12, logprobs=True)
+    texts = [c for c in first if c.text]
+    assert texts and sum(c.token_count for c in first) <= 12
+    assert all(len(c.logprobs) == c.token_count and all(lp <= 0 for lp in c.logprobs) for c in texts), texts
+    final = first[-1]
+    assert final.finish_reason in ("length", "stop") and final.prompt_tokens == engine.tokenizer.count(prompt)
+    # The same prompt with a few more characters typed: everything before them is in the slot's KV.
+    second = await collect(engine, prompt + "sum(", "second", max_tokens=4)
+    assert second[-1].prompt_tokens is not None and second[-1].cached_tokens is not None
+    assert second[-1].cached_tokens >= final.prompt_tokens - 2, second[-1]
+    assert engine.model.max_model_len == 2048 and "<|endoftext|>" in engine.model.special_tokens
+
+
+async def test_cancelling_mid_stream_stops_the_decode(engine: LlamaCppEngine) -> None:
+    chunks = engine.stream(RAMBLE, GenerationParams(max_tokens=400), "cancelled")
+    seen = 0
+    async for chunk in chunks:
+        seen += chunk.token_count
+        if seen >= 3:
+            break
+    await chunks.aclose()
+    settled = await idle(engine)
+    await asyncio.sleep(1.0)
+    later = await metrics(engine)
+    assert later["n_decode_total"] == settled["n_decode_total"], "the server kept decoding after the cancel"
+    assert later["tokens_predicted_total"] < 400
+
+
+async def test_abort_by_request_id_ends_the_stream(engine: LlamaCppEngine) -> None:
+    received: list[int] = []
+
+    async def consume() -> None:
+        async for chunk in engine.stream(RAMBLE, GenerationParams(max_tokens=400), "by-id"):
+            received.append(chunk.token_count)
+
+    task = asyncio.create_task(consume())
+    while sum(received) < 2:
+        await asyncio.sleep(0.01)
+    await engine.abort("by-id")
+    await asyncio.wait_for(task, 10)
+    assert sum(received) < 400
+    await idle(engine)
+
+
+async def test_two_documents_keep_their_own_cached_prefixes(engine: LlamaCppEngine) -> None:
+    first_doc = CODE + "\n\ndef restock(item, count):\n    "
+    other_doc = (DATA / "inventory.py").read_text().replace("Item", "Product").replace("item", "product") * 2 + "\n# "
+    a = await collect(engine, first_doc, "doc-a", "a.py#0", max_tokens=2)
+    await collect(engine, other_doc, "doc-b", "b.py#0", max_tokens=2)
+    # b.py's warm-up (a prefix of the text of a.py, which the server would match to a.py's slot)
+    await collect(engine, first_doc[: len(first_doc) // 2], "doc-b-warm", "b.py#0", max_tokens=1)
+    again = await collect(engine, first_doc + "item", "doc-a-again", "a.py#0", max_tokens=2)
+    assert again[-1].cached_tokens is not None and a[-1].prompt_tokens is not None
+    assert again[-1].cached_tokens >= a[-1].prompt_tokens - 2, (a[-1], again[-1])
+
+
+async def long_request(engine: LlamaCppEngine, request_id: str, key: str) -> tuple[asyncio.Task[None], list[int]]:
+    """A 300-token request under way (two tokens in): its task and the token counts it received."""
+    tokens: list[int] = []
+
+    async def consume() -> None:
+        async for chunk in engine.stream(RAMBLE, GenerationParams(max_tokens=300), request_id, routing_key=key):
+            tokens.append(chunk.token_count)
+
+    task = asyncio.create_task(consume())
+    while sum(tokens) < 2:
+        await asyncio.sleep(0.01)
+    return task, tokens
+
+
+async def test_a_request_for_another_document_runs_beside_a_long_one(engine: LlamaCppEngine) -> None:
+    """A request that is still generating does not hold the next one (another document, another
+    window) back: the server's slots decode both together."""
+    task, old_tokens = await long_request(engine, "long", "long.py#0")
+    newest = await collect(engine, CODE + "\n\ndef newest():\n    return ", "newest", "new.py#0", max_tokens=6)
+    assert any(c.text for c in newest)
+    assert not task.done() and sum(old_tokens) < 300, "the newest request waited for the old one to finish"
+    await engine.abort("long")
+    await asyncio.wait_for(task, 10)
+
+
+async def test_a_superseding_request_reuses_the_superseded_ones_prefix(engine: LlamaCppEngine) -> None:
+    """The completer aborts a document's running request and sends the new one: it goes to the
+    same slot once the abort lands, and finds the prompt there."""
+    task, old_tokens = await long_request(engine, "old", "same.py#0")
+    await engine.abort("old")
+    newest = await collect(engine, RAMBLE + " Apple", "superseding", "same.py#0", max_tokens=4)
+    await asyncio.wait_for(task, 10)
+    assert sum(old_tokens) < 300 and any(c.text for c in newest)
+    assert newest[0].cached_tokens >= newest[0].prompt_tokens - 4, newest[0]
+
+
+def test_slots_follow_keys_least_recently_used_first() -> None:
+    table = SlotTable(2)
+    assert [table.slot_for(k) for k in ("a#1", "b#1", "a#7")] == [0, 1, 0]  # a moved its anchor: same slot
+    assert table.slot_for("c#1") == 1 and table.slot_for("b#1") == 0  # b lost its slot to c, then took a's
+    assert table.slot_for(None) is None
+    table.filled(1, "def f():\n    return 1")
+    assert table.holds(1, "def f():\n") and not table.holds(1, "def g") and not table.holds(0, "def f")
+    table.filled(1, None)  # cancelled before its prompt was in: unknown
+    assert not table.holds(1, "def f():\n")
+
+
+async def test_a_warm_up_of_what_the_slot_holds_leaves_its_prompt_in_place(engine: LlamaCppEngine) -> None:
+    """On llama.cpp a warm-up of a prefix would cut the slot back to that prefix: it ends at once."""
+    full = CODE + "\n\ndef most_expensive(items):\n    return "
+    first = await collect(engine, full, "full", "warm.py#3", max_tokens=3)
+    warm = await collect(engine, full[: len(full) // 2], "warm", "warm.py#3", max_tokens=1, warm_up=True)
+    assert [(c.text, c.finish_reason) for c in warm] == [("", "cached")]
+    again = await collect(engine, full + "max(", "again", "warm.py#3", max_tokens=2)
+    assert again[0].cached_tokens >= first[-1].prompt_tokens - 2, again[0]
+    # A warm-up of something the slot does not hold goes to the server.
+    other = await collect(engine, CODE.replace("Item", "Thing"), "other-warm", "warm.py#3", max_tokens=1, warm_up=True)
+    assert other[-1].finish_reason != "cached" and other[-1].prompt_tokens
+
+
+def test_flags_pass_the_users_engine_arguments_and_keep_embers_own() -> None:
+    config = LlamaCppConfig(gguf="/m.gguf", model_name="m", threads=3, engine_args={"max_model_len": 4096, "flash_attn": "on", "mlock": True})
+    flags = server_flags(config, "/run/s.sock")
+    assert flags[flags.index("--ctx-size") + 1] == str(4 * 4096) and flags[flags.index("--threads") + 1] == "3"
+    assert flags[flags.index("--flash-attn") + 1] == "on" and "--mlock" in flags and "--host" in flags
+    assert engine_args_problem({"port": 8080}) == "port is ember's to set" and engine_args_problem({"flash_attn": "on"}) is None
+
+
+async def test_arguments_the_server_refuses_fall_back_to_embers_defaults_with_a_warning() -> None:
+    served = LlamaCppEngine(LlamaCppConfig(gguf=str(bundled_gguf()), model_name=BUNDLED_NAME, engine_args={"no_such_flag": 1}))
+    try:
+        await served.start()
+        assert served.ready and served.warning is not None and "no_such_flag" in served.warning
+        assert "--no-such-flag" not in served.engine_args["flags"]
+    finally:
+        await served.close()
+
+
+def test_only_embers_own_build_is_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some other llama-server on PATH is never picked up; $EMBER_LLAMA_SERVER names one explicitly."""
+    impostor = tmp_path / "bin" / "llama-server"
+    impostor.parent.mkdir()
+    impostor.write_text("#!/bin/sh\ntouch " + str(tmp_path / "ran") + "\n")
+    impostor.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{impostor.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(SERVER_ENV, raising=False)
+    assert server_binary() is None
+    monkeypatch.setenv(SERVER_ENV, str(impostor))
+    assert server_binary() == impostor
+    monkeypatch.delenv(SERVER_ENV)
+    with pytest.raises(EngineError, match="not built on this machine"):
+        asyncio.run(LlamaCppEngine(LlamaCppConfig(gguf=str(bundled_gguf()), model_name="m")).start())
+    assert not (tmp_path / "ran").exists()
+
+
+def test_the_engine_follows_the_hardware_and_the_model(tmp_path: Path) -> None:
+    assert choose_engine("auto", None, cuda=True).kind == "vllm"
+    assert choose_engine("auto", None, cuda=False).kind == "llamacpp"
+    assert choose_engine("auto", "bundled", cuda=False).kind == "llamacpp"
+    assert choose_engine("auto", "Qwen/Qwen2.5-Coder-1.5B", cuda=False).kind == "vllm"
+    assert choose_engine("auto", "ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF", cuda=False).kind == "llamacpp"
+    assert choose_engine("llamacpp", None, cuda=True).kind == "llamacpp"
+    (tmp_path / "config.json").write_text("{}")
+    assert choose_engine("auto", str(tmp_path), cuda=False).kind == "vllm"
+
+
+def test_gguf_files_are_found_as_they_are(tmp_path: Path) -> None:
+    assert resolve_gguf("bundled").path == str(bundled_gguf()) and resolve_gguf("bundled").source == "bundled"
+    assert pick_gguf(["m-q8_0.gguf", "m-Q4_K_M.gguf", "mmproj-m-f16.gguf", "README.md"]) == "m-Q4_K_M.gguf"
+    (tmp_path / "m-q8_0.gguf").symlink_to(bundled_gguf())
+    found = resolve_gguf(str(tmp_path))
+    assert found.path == str(bundled_gguf()) and found.name == "m-q8_0"
+    (tmp_path / "m-q8_0.gguf").unlink()
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(Exception, match="holds no .gguf file"):
+        resolve_gguf(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------ under the engine host
+
+
+async def test_a_killed_server_is_reported_and_restarted() -> None:
+    core = EmberCore(Settings(model="bundled", engine="llamacpp"))
+    try:
+        await core.start_engine()
+        assert core.ready and core.engine_choice is not None and core.engine_choice.kind == "llamacpp"
+        engine = core.engine
+        assert isinstance(engine, LlamaCppEngine) and engine.pid is not None
+        os.kill(engine.pid, signal.SIGKILL)
+        for _ in range(100):
+            if engine.dead:
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(EngineError, match="llama-server died"):
+            await collect(engine, "def f():\n    ", "after-kill", max_tokens=2)
+        assert not core.check_engine() and core.restarting and "died" in (core.engine_error or "")
+        assert await asyncio.wait_for(core.wait_ready(), 60)
+        assert core.restarts == 1 and core.engine is not engine and not psutil.pid_exists(engine.pid or 0)
+        assert any(c.text for c in await collect(core.engine, "def f():\n    return ", "restarted", max_tokens=4))  # type: ignore[arg-type]
+    finally:
+        await core.close()
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from engine.llamacpp import LlamaCppConfig, LlamaCppEngine
+        from engine.models import bundled_gguf
+        async def main():
+            engine = LlamaCppEngine(LlamaCppConfig(gguf=str(bundled_gguf()), model_name="m"))
+            await engine.start()
+            print(engine.pid, flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        server_pid = int(owner.stdout.readline())
+        assert psutil.Process(server_pid).name().startswith("llama-server")
+        owner.kill()  # no clean-up runs in the owner
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(server_pid) and psutil.Process(server_pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "llama-server outlived the process that started it"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            owner.kill()
+
+
+# ------------------------------------------------------------------------------ through ember --stdio
+
+
+@pytest.fixture(scope="module")
+def llama_window_args() -> tuple[str, ...]:
+    return ("--engine", "llamacpp", "--model", "bundled", "--max-tokens", "16", "--timeout-ms", "60000")
+
+
+async def test_an_editor_gets_completions_reused_prefixes_and_typed_through_answers(tmp_path: Path, llama_window_args: tuple[str, ...]) -> None:
+    window = Window(tmp_path, "--daemon", "off", *llama_window_args)
+    try:
+        await window.open()
+        ready = await wait_ready(window.client, 120)
+        assert ready["engine"]["kind"] == "llamacpp" and ready["engine"]["why"].startswith("asked for")
+        assert ready["engine"]["stats"]["engine"] == "llama.cpp" and ready["engine"]["max_model_len"] == 2048
+        uri = "file:///proj/inventory.py"
+        text = CODE + "\n\ndef cheapest(items):\n    return "
+        window.did_open(text)
+        first = await window.complete_at_end(text)
+        last = (await window.stats())["last_for_uri"]
+        assert first, last
+        assert last["prompt_tokens"] > 100 and last["streamed_tokens"] > 0 and last["confidence"] is not None, last
+        # Typing what the suggestion says: answered from it, no generation.
+        line, character = text.count("\n"), len(text.rsplit("\n", 1)[1])
+        typed = first[:2]
+        type_text(window.client, uri, line, character, typed, version=1)
+        again = await window.complete_at_end(text + typed)
+        last = (await window.stats())["last_for_uri"]
+        assert again == first[2:] and last["cache_hit"] is True and last["streamed_tokens"] == 0, last
+        # Typing something else: a new generation whose prompt's front is in the KV cache.
+        edited = window.type_at_end("min(", text + typed, 2 + len(typed))
+        await window.complete_at_end(edited)
+        last = (await window.stats())["last_for_uri"]
+        assert not last["cache_hit"] and last["kv_reuse"] >= 0.9, last
+    finally:
+        await window.close()
+
+
+async def test_two_windows_share_the_daemons_one_llama_server(runtime: Path, llama_window_args: tuple[str, ...]) -> None:
+    first, second = Window(runtime, *llama_window_args), Window(runtime, *llama_window_args)
+    text = CODE + "\n\ndef heaviest(items):\n    return "
+    try:
+        await first.open()
+        ready = await wait_ready(first.client, 120)
+        assert ready["daemon"]["serving"]["kind"] == "llamacpp"
+        await second.open()
+        joined = await wait_ready(second.client, 120)
+        assert joined["daemon"]["pid"] == ready["daemon"]["pid"] and joined["engine"]["starts"] == 1
+        assert joined["engine"]["stats"]["pid"] == ready["engine"]["stats"]["pid"]
+        first.did_open(text)
+        second.did_open(text.replace("heaviest", "lightest"))
+        answers = await asyncio.gather(first.complete_at_end(text), second.complete_at_end(text.replace("heaviest", "lightest")))
+        assert all(answers), answers
+        servers = [p for p in psutil.Process(ready["daemon"]["pid"]).children(recursive=True) if p.name().startswith("llama-server")]
+        assert len(servers) == 1
+    finally:
+        await first.close()
+        await second.close()
+    assert len(daemon_processes(runtime)) <= 1
+
+
+async def test_status_of_the_daemon_names_the_engine(runtime: Path, llama_window_args: tuple[str, ...]) -> None:
+    window = Window(runtime, *llama_window_args)
+    try:
+        await window.open()
+        await wait_ready(window.client, 120)
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+        status = subprocess.run(
+            [sys.executable, "-m", "lsp", "daemon", "status"], env=env, capture_output=True, text=True, timeout=30, cwd=ROOT
+        )
+        assert status.returncode == 0 and '"llamacpp"' in status.stdout, status.stdout + status.stderr
+    finally:
+        await window.close()
+
