@@ -381,3 +381,37 @@ async def test_status_of_the_daemon_names_the_engine(runtime: Path, llama_window
     finally:
         await window.close()
 
+
+
+async def test_the_default_gguf_model_comes_from_a_hub_repo_and_loads_as_it_is(tmp_path: Path) -> None:
+    """No --model on llama.cpp: the default GGUF repo (pointed at the local hub) is downloaded, one
+    quantization of it, and llama-server loads that file; nothing is converted."""
+    from tests.hub import LocalHub
+    from tests.test_models import completes, server_env, start, stop
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "tiny-q8_0.gguf").symlink_to(bundled_gguf())
+    (repo / "tiny-f16.gguf").write_bytes(b"GGUF not this one")
+    (repo / "README.md").write_text("a GGUF repo\n")
+    hub_id = "ember-test/Tiny-GGUF"
+    hf_home = tmp_path / "hf"
+    binary = server_binary()
+    assert binary is not None
+    env = server_env(
+        hf_home, EMBER_DEFAULT_MODEL=hub_id, EMBER_ENGINE="llamacpp", EMBER_CACHE_DIR=str(tmp_path / "cache"),
+        EMBER_LLAMA_SERVER=str(binary),  # the build lives in the real cache
+    )
+    with LocalHub({hub_id: repo}) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        client = await start(env, tmp_path / "server.log")
+        try:
+            current = await wait_ready(client, 120)
+            assert current["engine"]["model"] == hub_id and current["engine"]["kind"] == "llamacpp"
+            await completes(client)
+        finally:
+            await stop(client)
+        fetched = [r for r in hub.requests if r.startswith("GET ") and "/resolve/" in r]
+        assert fetched and all(r.endswith("/tiny-q8_0.gguf") for r in fetched), hub.requests
+    assert not (tmp_path / "cache" / "models").exists(), "a GGUF file was converted"
+    assert (tmp_path / "cache" / "tokenizers").is_dir()
