@@ -36,7 +36,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ import httpx
 
 from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo
 from engine.llama_build import server_binary
-from engine.models import _file_digest, default_cache_dir
+from engine.models import default_cache_dir, gguf_key
 from engine.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def gguf_tokenizer(gguf: Path, cache_dir: Path | None = None) -> TokenizersToken
     import tokenizers
 
     cache_dir = cache_dir or default_cache_dir()
-    key = f"{gguf.stem}-{_file_digest(gguf)}"
+    key = gguf_key(gguf)
     target = cache_dir / "tokenizers" / f"{key}.json"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -287,7 +287,7 @@ class LlamaCppEngine:
             shown = ", ".join(f"{k}={v!r}" for k, v in own.items())
             self.warning = f"engine arguments {shown} not applied: {problem}; started with ember's defaults instead"
             log.error("%s", self.warning)
-        config = self.config if not own else _without_args(self.config)
+        config = replace(self.config, engine_args={}) if own else self.config
         await self._run(binary, config)
 
     async def _run(self, binary: Path, config: LlamaCppConfig) -> None:
@@ -422,8 +422,3 @@ class _Pending:
     def count(self, text: str) -> int:
         raise EngineNotReady("the tokenizer is still loading")
 
-
-def _without_args(config: LlamaCppConfig) -> LlamaCppConfig:
-    from dataclasses import replace
-
-    return replace(config, engine_args={})

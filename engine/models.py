@@ -478,9 +478,14 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def gguf_key(gguf: Path) -> str:
+    """What names a GGUF file's derived files in the cache (its conversion, its tokenizer)."""
+    return f"{gguf.stem}-{_file_digest(gguf)}"
+
+
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF file into a bf16 safetensors folder once; later calls reuse it."""
-    target = cache_dir / "models" / f"{gguf.stem}-{_file_digest(gguf)}"
+    target = cache_dir / "models" / gguf_key(gguf)
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
     log.info("converting %s to safetensors in %s (once)", gguf, target)
