@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -64,6 +65,9 @@ from engine.sse import (
 log = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# How long start() waits for fresh vLLM servers' first answer with log-probabilities (see
+# Replica.logprobs_ready); a slower one goes on in the background.
+LOGPROBS_WARMUP_WAIT_S = 60.0
 
 
 class ApproxTokenizer:
@@ -235,6 +239,8 @@ class RemoteEngine:
         self.retried = 0  # rounds repeated after every replica failed with a 5xx
         self._monitor: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self.vllm = False  # the servers are vLLM's (/v1/models: owned_by "vllm")
+        self._logprobs_warmups: dict[str, asyncio.Task[None]] = {}  # replica url -> its warm-up
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -266,6 +272,7 @@ class RemoteEngine:
         await asyncio.gather(*(self._read_workers(r) for r, _ in alive))
         name, lengths, roots = self._pick_model(alive)
         self.llama_cpp = any(isinstance(m.get("meta"), dict) for _, models in alive for m in models)
+        self.vllm = any(m.get("owned_by") == "vllm" for _, models in alive for m in models)
         hf_tok = None if self._given_tokenizer is not None else await self._load_tokenizer(name, roots)
         special: frozenset[str] = frozenset()
         if self._given_tokenizer is not None:
@@ -282,6 +289,7 @@ class RemoteEngine:
         self._model = ModelInfo(name=name, max_model_len=max_len, special_tokens=special)
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch(), name="ember-remote-monitor")
+        await self._prepare_logprobs([r for r, _ in alive])
         log.info(
             "remote engine: model %s (max_model_len %d) on %d of %d replicas: %s",
             name, max_len, len(alive), len(self.replicas), ", ".join(r.name for r, _ in alive),
@@ -384,6 +392,8 @@ class RemoteEngine:
     async def close(self) -> None:
         for active in list(self._active.values()):
             active.producer.cancel()
+        for warmup in self._logprobs_warmups.values():
+            warmup.cancel()
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
@@ -500,6 +510,8 @@ class RemoteEngine:
         Text chunks count one token each (one SSE event is one decode step on vLLM and llama.cpp);
         the last chunk, empty, carries finish_reason and the server's usage: prompt_tokens,
         cached_tokens, and the token count that makes the total equal ``completion_tokens``."""
+        if not replica.logprobs_ready and "logprobs" in body:
+            body = {key: value for key, value in body.items() if key not in ("logprobs", "n_probs")}
         queue: asyncio.Queue[Any] = asyncio.Queue()
         producer = asyncio.create_task(self._produce(replica, body, headers, queue))
         active = _Active(producer, replica)
@@ -709,8 +721,51 @@ class RemoteEngine:
             replica.up = True
             replica.silent_polls = 0
             replica.metrics_due = 0.0
+            await self._prepare_logprobs([replica], wait_s=0.0)  # it may be a fresh server
             return
         self._mark_down(replica, self._scrub(f"probe of {replica.name} failed ({reason})"))
+
+    async def _prepare_logprobs(self, replicas: list[Replica], wait_s: float = LOGPROBS_WARMUP_WAIT_S) -> None:
+        """Ask each vLLM replica for one token with log-probabilities and wait up to ``wait_s``
+        for the answers: a fresh vLLM compiles a kernel on its first such request, and the user's
+        first completion should not be the one that waits for it (it ran past the 15 s deadline
+        on a 2-core CPU). Until a replica has answered, requests to it ask for no
+        log-probabilities (their suggestions carry no confidence)."""
+        if not self.vllm:
+            return
+        for replica in replicas:
+            if replica.url not in self._logprobs_warmups:
+                replica.logprobs_ready = False
+                warmup = asyncio.create_task(self._warm_logprobs(replica), name=f"ember-logprobs-{replica.name}")
+                self._logprobs_warmups[replica.url] = warmup
+                warmup.add_done_callback(functools.partial(self._warmup_done, replica.url))
+        pending = [self._logprobs_warmups[r.url] for r in replicas if r.url in self._logprobs_warmups]
+        if pending and wait_s > 0:
+            log.info("asking %d engine server(s) for a first answer with log-probabilities", len(pending))
+            _, slow = await asyncio.wait(pending, timeout=wait_s)
+            if slow:
+                log.warning(
+                    "%d engine server(s) gave no answer with log-probabilities in %.0f s: asking them for none until they do",
+                    len(slow), wait_s,
+                )
+
+    def _warmup_done(self, url: str, _: asyncio.Task[None]) -> None:
+        self._logprobs_warmups.pop(url, None)
+
+    async def _warm_logprobs(self, replica: Replica) -> None:
+        assert self._client is not None
+        body = {"model": self.model.name, "prompt": "def", "max_tokens": 1, "temperature": 0.0, "logprobs": 0}
+        started = asyncio.get_running_loop().time()
+        timeout = httpx.Timeout(600.0, connect=self.connect_timeout)
+        try:
+            response = await self._client.post(f"{replica.url}/v1/completions", json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            log.info("%s: no first answer with log-probabilities (%s); asked again when it is back", replica.name, _describe(exc))
+            return
+        # An error answer is the request path's to report: the warm-up changes nothing then.
+        replica.logprobs_ready = True
+        took = asyncio.get_running_loop().time() - started
+        log.info("%s answered with log-probabilities (HTTP %d) after %.1f s", replica.name, response.status_code, took)
 
     async def _read_workers(self, replica: Replica) -> None:
         """Notes whether ``replica`` is a router (its ``/workers`` lists workers) and how many of

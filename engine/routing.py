@@ -33,6 +33,10 @@ class Replica:
     # A router in front of workers of its own (vllm-router, SGLang's gateway: their /workers
     # lists them): (healthy, total) workers; None for a plain server.
     router_workers: tuple[int, int] | None = None
+    # False for a vLLM server that has not yet answered a request with log-probabilities: its
+    # first such request compiles a kernel (14 s on 2 cores with a cold compile cache), so it is
+    # asked for none until ember's own one-token request has paid for that (RemoteEngine).
+    logprobs_ready: bool = True
 
 
 def normalize_url(url: str) -> str:

@@ -72,6 +72,8 @@ class Running:
     task: asyncio.Task[bool] = field(init=False)
     final: str | None = None  # the post-processed text once the generation ended
     confidence: float | None = None  # the final text's, once the generation ended
+    why_empty: str = ""  # why the final text is empty, when it is
+    cut_by_deadline: bool = False  # then the final text is not what the model would answer: not cached
     attached: int = 0  # later requests waiting on this generation
     grew: asyncio.Event = field(default_factory=asyncio.Event)  # set when the text changes
     trace: TokenTrace = field(default_factory=TokenTrace)  # the sampled tokens' log-probabilities
@@ -101,10 +103,16 @@ class Completion:
 
 @dataclass(frozen=True)
 class Answer:
-    """A finished generation's text, as the completion cache keeps it ("" for a hidden one)."""
+    """A finished generation's text, as the completion cache keeps it ("" for a hidden one,
+    with why it is empty)."""
 
     text: str
     confidence: float | None
+    why_empty: str = ""
+
+
+WHY_LOADING = "the model is still loading"
+WHY_SUPERSEDED = "a newer request for this document replaced it"
 
 
 @dataclass
@@ -205,7 +213,7 @@ class Completer:
 
         engine = self.engine_source()
         if engine is None or not engine.ready:
-            metrics.outcome = "loading"
+            metrics.outcome, metrics.why_empty = "loading", WHY_LOADING
             return Completion("", metrics.finish(started))
 
         site = site_at(doc, offset, cross_file)
@@ -218,7 +226,7 @@ class Completer:
         cached = self.cache.get(cache_key) if settings.reuse else None
         if cached is not None:
             metrics.cache_hit = True
-            metrics.confidence = cached.confidence
+            metrics.confidence, metrics.why_empty = cached.confidence, cached.why_empty
             return self._done(key, Cursor.at(text, offset), cached.text, metrics, started)
 
         calibration = CALIBRATIONS.get(self.template_for(engine, settings.fim_template).name)
@@ -255,7 +263,7 @@ class Completer:
                 if not this.attached:
                     this.task.cancel()  # $/cancelRequest: stop the engine-side generation too
                 raise
-            metrics.outcome = "superseded"
+            metrics.outcome, metrics.why_empty = "superseded", WHY_SUPERSEDED
             return Completion("", metrics.finish(started))
         finally:
             if not detached and self._running.get(this.key) is this:
@@ -263,8 +271,12 @@ class Completer:
         if not generated:
             return Completion("", metrics.finish(started))
         final = this.text()
-        self.cache[this.cache_key] = Answer(final, this.confidence)
+        self._cache(this, final)
         return self._done(this.key, this.cursor, final, metrics, started)
+
+    def _cache(self, this: Running, final: str) -> None:
+        if not this.cut_by_deadline:  # the next request may find the engine faster
+            self.cache[this.cache_key] = Answer(final, this.confidence, this.why_empty)
 
     async def _reuse(self, key: DocKey, running: Running | None, text: str, offset: int, metrics: RequestMetrics) -> str | None:
         """An answer without a new generation: the rest of the last suggestion when the user typed
@@ -310,7 +322,7 @@ class Completer:
         if this.task.cancelled() or this.task.exception() is not None or not this.task.result():
             return
         final = this.text()
-        self.cache[this.cache_key] = Answer(final, this.confidence)
+        self._cache(this, final)
         last = self._suggestions.get(key)
         if last is not None and last[1].text == shown and final.startswith(shown):
             self._suggestions[key] = (last[0], Answer(final, this.confidence))
@@ -405,14 +417,14 @@ class Completer:
             async with asyncio.timeout(settings.timeout_ms / 1000):
                 await self._stream(engine, prompt, params, request_id, this, metrics, started)
         except TimeoutError:
-            metrics.outcome = "timeout"
+            metrics.outcome, this.cut_by_deadline = "timeout", True
             metrics.truncated = True  # cut mid-line, like a length stop
             log.warning("completion %s hit the %d ms deadline; returning what was generated", request_id, settings.timeout_ms)
         except EngineNotReady:
-            metrics.outcome = "loading"
+            metrics.outcome, metrics.why_empty = "loading", WHY_LOADING
             return False
         except EngineError as exc:
-            metrics.outcome = "error"
+            metrics.outcome, metrics.why_empty = "error", f"the engine failed: {exc}"
             log.warning("completion %s failed: %s", request_id, exc)
             return False
         finally:
@@ -420,6 +432,10 @@ class Completer:
         verdict = this.verdict(this.cutter.finish(metrics.truncated))
         this.final, this.confidence = verdict.text, verdict.confidence
         metrics.judged(verdict)
+        if not verdict.text:
+            this.why_empty = metrics.why_empty = why_empty(verdict, this, metrics, settings.timeout_ms)
+            log.info("completion %s is empty: %s", request_id, this.why_empty)
+            log.debug("completion %s: the model wrote %r", request_id, this.cutter.seen[:400])
         this.changed()
         return True
 
@@ -496,6 +512,18 @@ def prompt_budget(settings: Settings, max_model_len: int) -> PromptBudget:
     free = room - (budget.prefix_tokens + budget.suffix_tokens + budget.header_tokens + budget.snippet_tokens)
     wanted = int(max_model_len * WORKSPACE_SNIPPET_SHARE)
     return dataclasses.replace(budget, snippet_tokens=max(budget.snippet_tokens, min(wanted, budget.snippet_tokens + free)))
+
+
+def why_empty(verdict: Verdict, this: Running, metrics: RequestMetrics, timeout_ms: int) -> str:
+    """Why a finished generation shows nothing: the deadline, the confidence gate, or the
+    post-processing step that left nothing of the model's text."""
+    if verdict.action == "hidden":
+        return f"its confidence {verdict.confidence or 0:.2f} is below minConfidence {this.min_confidence:.2f}"
+    if verdict.action == "degenerate":
+        return "the model repeated itself (degenerate repetition is never shown)"
+    if metrics.outcome == "timeout" and not this.cutter.seen.strip():
+        return f"the engine sent no text within the {timeout_ms} ms deadline (timeoutMs)"
+    return this.cutter.why_empty(metrics.truncated)
 
 
 def min_confidence_for(settings: Settings, calibration: Calibration | None) -> float:

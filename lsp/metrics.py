@@ -26,7 +26,9 @@ class RequestMetrics:
     streamed_tokens: int = 0
     mode: str = ""
     truncated: bool = False  # stopped by max_tokens or the deadline, not by the model or syntax
-    outcome: str = "ok"  # ok | empty | hidden | cancelled | superseded | error | loading | rate_limited
+    outcome: str = "ok"  # ok | empty | hidden | cancelled | superseded | error | loading | rate_limited | too_large
+    # Why the answer is empty, in words (the step that emptied it); "" when it is not.
+    why_empty: str = ""
     uri: str = ""  # the document, so that a client with several requests in flight finds its own
     cross_file: list[str] = field(default_factory=list)  # the paths of the other files in the prompt
     # What of them is in the prompt and why it ranked there: "path: name: reason", best first per file.

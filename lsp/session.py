@@ -23,7 +23,7 @@ from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_
 from context.prompt.snippets import CrossFile, Snippet, select_snippets
 from context.source.document import Document, PositionError, utf16_position
 from lsp import VERSION
-from lsp.completer import Completion, prompt_budget
+from lsp.completer import WHY_LOADING, Completion, prompt_budget
 from lsp.engine_host import EmberCore, close_and_exit
 from lsp.metrics import RequestMetrics
 from lsp.protocol import EmberProtocol, UnknownDocument, stop_reading
@@ -256,7 +256,7 @@ class EmberServer(LanguageServer):
         offset = self.offset_of(doc, position)
         self.rate_limit.rate = self.settings.max_requests_per_second
         if not self.rate_limit.allow():
-            limited = RequestMetrics(outcome="rate_limited", uri=uri)
+            limited = RequestMetrics(outcome="rate_limited", uri=uri, why_empty="over maxRequestsPerSecond")
             self.core.metrics.record(limited)
             self.notify_user(
                 f"more than {self.settings.max_requests_per_second:g} completion requests per second from this "
@@ -267,11 +267,12 @@ class EmberServer(LanguageServer):
         if len(doc.text) > self.settings.max_document_bytes:
             too_large = f"{uri} is larger than maxDocumentBytes ({self.settings.max_document_bytes}); no completions"
             self.notify_user(too_large, types.MessageType.Warning)
-            return Completion("", RequestMetrics(outcome="too_large", uri=uri))
+            return Completion("", RequestMetrics(outcome="too_large", uri=uri, why_empty="larger than maxDocumentBytes"))
         if not self.core.check_engine():
             if self.core.engine_error:
                 self.notify_user(f"the engine is not available: {self.core.engine_error}")
-            return Completion("", RequestMetrics(outcome="loading", uri=uri))
+            why = f"the engine is not available: {self.core.engine_error}" if self.core.engine_error else WHY_LOADING
+            return Completion("", RequestMetrics(outcome="loading", uri=uri, why_empty=why))
         result = await self.core.completer.complete(
             (id(self), uri), doc, offset, self.settings, cross_file=await self.cross_file(doc, offset), on_text=on_text
         )

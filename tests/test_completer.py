@@ -246,6 +246,7 @@ async def test_request_at_another_cursor_supersedes(completer: Completer, engine
     assert first_call.cancelled
     superseded = await result(first)
     assert superseded.text == "" and superseded.metrics.outcome == "superseded"
+    assert superseded.metrics.why_empty == "a newer request for this document replaced it"
 
     await second_call.send(" * 2 + height * 2")
     await second_call.end()
@@ -391,6 +392,7 @@ async def test_engine_not_ready_answers_loading(completer: Completer, engine: Sc
     engine.is_ready = False
     loading = await result(start(completer, AREA, AREA_CURSOR))
     assert loading.text == "" and loading.metrics.outcome == "loading"
+    assert loading.metrics.why_empty == "the model is still loading"
     assert engine.calls == []
 
     no_engine = Completer(lambda: None, Metrics())
@@ -406,6 +408,7 @@ async def test_engine_error_mid_stream_then_the_next_request_is_served(
     await call.fail(EngineError("the engine died"))
     failed = await result(failing)
     assert failed.text == "" and failed.metrics.outcome == "error"
+    assert failed.metrics.why_empty == "the engine failed: the engine died"
 
     retry = start(completer, AREA, AREA_CURSOR)
     retry_call = await engine.next_call()
@@ -413,6 +416,29 @@ async def test_engine_error_mid_stream_then_the_next_request_is_served(
     await retry_call.end()
     served = await result(retry)
     assert served.text == " * height" and served.metrics.outcome == "ok"
+
+
+async def test_every_empty_answer_says_why(completer: Completer, engine: ScriptedEngine) -> None:
+    """The deadline with nothing generated and the cutter's steps reach ``why_empty`` (the
+    engine's trouble and the confidence gate: the tests above); an answer with text has none."""
+    late = await asyncio.gather(result(start(completer, AREA, AREA_CURSOR, dataclasses.replace(SETTINGS, timeout_ms=100))),
+                                engine.next_call())
+    assert late[0].text == "" and late[0].metrics.outcome == "timeout"
+    assert late[0].metrics.why_empty == "the engine sent no text within the 100 ms deadline (timeoutMs)"
+    again = start(completer, AREA, AREA_CURSOR)  # what the deadline cut is not cached: asked again
+    call = await engine.next_call()
+    await call.send(" * height\n")
+    answered = await result(again)
+    assert answered.text == " * height" and answered.metrics.why_empty == ""
+
+    repeat = start(completer, "def f(x):\n    \n    return x\n", len("def f(x):\n    "), uri="file:///repeat.py")
+    call = await engine.next_call()
+    await call.send("return x\n")
+    await call.end()
+    repeated = await result(repeat)
+    assert repeated.text == "" and repeated.metrics.outcome == "empty"
+    assert repeated.metrics.why_empty == "the model's first line repeats the line after the cursor"
+
 
 
 async def test_two_documents_generate_at_once(completer: Completer, engine: ScriptedEngine) -> None:
@@ -515,10 +541,12 @@ async def test_logprobs_reach_the_gate_and_a_hidden_answer_is_cached(completer: 
     await call.end()
     hidden = await result(task)
     assert hidden.text == "" and hidden.metrics.outcome == "hidden" and hidden.metrics.shown == "hidden"
+    assert hidden.metrics.why_empty == "its confidence 0.22 is below minConfidence 0.50"
     assert hidden.metrics.confidence == pytest.approx(math.sqrt(0.95 * 0.05))
     assert hidden.metrics.kept_tokens == 2 and hidden.metrics.logprob_min == pytest.approx(UNSURE)
     again = await result(start(completer, AREA, AREA_CURSOR, settings))
     assert again.text == "" and again.metrics.cache_hit and len(engine.calls) == 1  # no second generation
+    assert again.metrics.why_empty == hidden.metrics.why_empty  # the cached empty answer keeps its reason
     shown_anyway = start(completer, AREA, AREA_CURSOR, dataclasses.replace(settings, min_confidence=0.0))
     call = await engine.next_call()  # another threshold: another cache entry
     await call.send(" * height", logprobs=(UNSURE,))

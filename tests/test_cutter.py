@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from context.cut import postprocess as postprocess_module
 from context.cut.control_tokens import strip_control_tokens
 from context.cut.postprocess import SyntaxCutter, completion_mode, find_stop, plain_postprocess, plain_stop, postprocess
 from context.prompt.builder import PromptBudget
@@ -133,3 +134,32 @@ def test_the_settings_offer_exactly_the_strategies_there_are() -> None:
 
     assert _CHOICES["prompt_strategy"] == tuple(PROMPT_BUILDERS)
     assert _CHOICES["postprocess"] == tuple(POSTPROCESSING)
+
+
+# ------------------------------------------------------------------------------ why an answer is empty
+
+EXPLAINED = [
+    # (before the cursor, after it, mode, the model's text, the step that left nothing)
+    ('def read_lines(path):\n    """Doc."""\n    ', "\n", "multi", "\ndef", postprocess_module.WHY_LEFT_BLOCK),
+    ("def total(self):\n    return ", "self.price * self.quantity\n", "single", "self.price * self.quantity\n\n", postprocess_module.WHY_OVERLAP),
+    ("def f(x):\n    return ", "\n", "single", "<|endoftext|>", postprocess_module.WHY_NOTHING),
+    ("def f(x):\n    return ", "\n", "single", "", postprocess_module.WHY_NOTHING),
+    ("def f(x):\n    ", "\n    return x\n", "multi", "return x\n", postprocess_module.WHY_REPEATS_NEXT),
+    ("x = [1, 2", "]\n", "single", "]]\n", postprocess_module.WHY_CLOSERS),
+    ("def f(x):\n    ", "\n", "multi", "```python\nx = 1\n", postprocess_module.WHY_PROSE),
+    ("def f(x):\n    ", "\n", "multi", "else:\n        pass\n", postprocess_module.WHY_SYNTAX),
+    ("foo(", "bar)\n", "single", "\nbaz\n", postprocess_module.WHY_SPLITS_LINE),
+]
+
+
+@pytest.mark.parametrize(("before", "after", "mode", "generated", "why"), EXPLAINED)
+def test_an_empty_answer_names_the_step_that_emptied_it(before: str, after: str, mode: str, generated: str, why: str) -> None:
+    """Fed in one chunk or character by character (a stop at the very start cuts the text to
+    nothing, and the reason is then read from what was cut), the answer is empty and says why."""
+    for pieces in ([generated], list(generated)):
+        cutter = SyntaxCutter(before, after, "python", mode)  # type: ignore[arg-type]
+        for piece in pieces:
+            if cutter.feed(piece):
+                break
+        assert cutter.finish(False) == ""
+        assert cutter.why_empty(False) == why

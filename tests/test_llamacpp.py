@@ -20,7 +20,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from lsprotocol import types
 
+from context.cut import postprocess
 from engine.base import EngineError, GenerationParams
 from engine.llama_build import SERVER_ENV, server_binary
 from engine.llamacpp import LlamaCppConfig, LlamaCppEngine, SlotTable, engine_args_problem, server_flags
@@ -341,6 +343,57 @@ async def test_an_editor_gets_completions_reused_prefixes_and_typed_through_answ
         await window.complete_at_end(edited)
         last = (await window.stats())["last_for_uri"]
         assert not last["cache_hit"] and last["kv_reuse"] >= 0.9, last
+    finally:
+        await window.close()
+
+
+# Issue 44's probes: the demo's cursors in inventory.py (0-based line, character): a new body line
+# before existing code, the middle of a return line, a body before an `if`, a body after `def`.
+PROBES = [(16, 8), (16, 15), (21, 8), (24, 8)]
+CUTTER_REASONS = {value for name, value in vars(postprocess).items() if name.startswith("WHY_")}
+
+
+async def test_an_empty_answer_says_which_step_emptied_it(tmp_path: Path, llama_window_args: tuple[str, ...]) -> None:
+    """At each probe ember answers text, or nothing with ``why_empty`` naming the step (issue 44:
+    the bundled model's empty answers had no reason); the classic completion says the same."""
+    window = Window(tmp_path, "--daemon", "off", *llama_window_args)
+    uri = "file:///proj/inventory.py"
+    try:
+        await window.open({"reuse": False})
+        await wait_ready(window.client, 120)
+        window.did_open(CODE)
+
+        async def inline(position: types.Position) -> str:
+            answer = await window.client.text_document_inline_completion_async(
+                types.InlineCompletionParams(
+                    text_document=types.TextDocumentIdentifier(uri=uri), position=position,
+                    context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked),
+                )
+            )
+            return answer.items[0].insert_text if answer and answer.items else ""
+
+        answers = []
+        for line, character in PROBES:
+            position = types.Position(line=line, character=character)
+            text = await inline(position)
+            last = (await window.stats())["last_for_uri"]
+            answers.append((text, last["outcome"], last["why_empty"]))
+            if text:
+                assert last["outcome"] == "ok" and last["why_empty"] == "", last
+            else:
+                assert last["outcome"] == "empty" and last["why_empty"] in CUTTER_REASONS, last
+            classic = await window.client.text_document_completion_async(
+                types.CompletionParams(text_document=types.TextDocumentIdentifier(uri=uri), position=position)
+            )
+            assert bool(classic and classic.items) == bool(text)
+            assert (await window.stats())["last_for_uri"]["why_empty"] == last["why_empty"]
+        assert any(not text for text, _, _ in answers), answers  # the demo's empty answers, now explained
+        # A threshold no answer passes: hidden, and the confidence is the reason.
+        window.client.workspace_did_change_configuration(types.DidChangeConfigurationParams(settings={"ember": {"minConfidence": 1.0}}))
+        line, character = next(PROBES[i] for i, (text, _, _) in enumerate(answers) if text)
+        hidden = await inline(types.Position(line=line, character=character))
+        last = (await window.stats())["last_for_uri"]
+        assert hidden == "" and last["outcome"] == "hidden" and last["why_empty"].startswith("its confidence"), last
     finally:
         await window.close()
 

@@ -45,6 +45,7 @@ from context.cut.surroundings import (
     no_cr,
     opens_block,
     parse_window,
+    same_line,
     surroundings_of,
 )
 from context.source.languages import LanguageInfo, normalize_language_id
@@ -373,11 +374,13 @@ class StreamCutter:
     and what text to show."""
 
     raw: str  # the model's text so far (control tokens included), cut once feed() said so
+    seen: str = ""  # all the text the model sent, uncut
     _previewed: str  # the raw text the preview shows: as of the last chunk that did not stop
 
     def feed(self, chunk: str) -> bool:
         """Adds streamed text; True when the completion is complete (stop generating)."""
         self.raw += chunk
+        self.seen += chunk
         cut = self._stop()
         if cut is not None:
             self.raw = self.raw[:cut]
@@ -428,6 +431,22 @@ class SyntaxCutter(StreamCutter):
         """The text to insert once the stream ended; ``truncated``: by the token limit or the deadline."""
         return self._text(self.raw, truncated=truncated, partial=False, stopped=self._stopped)
 
+    def why_empty(self, truncated: bool) -> str:
+        """Which step left nothing of the model's text, when :meth:`finish` gave ``""``."""
+        site = self._site()
+        if site is None:
+            return "the cursor's surroundings could not be read"
+        # A stop at the very start cut the text to nothing: its reason lies in what was cut.
+        raw, stopped = (self.raw, self._stopped) if self.raw.strip() else (self.seen, False)
+        try:
+            return _postprocess_why(
+                strip_control_tokens(raw), site, self.prefix, self.suffix, self.mode,
+                truncated=truncated, healed=self.healed, stopped=stopped,
+            )[1] or WHY_BLOCK_RULES
+        except Exception:
+            log.warning("explaining an empty answer failed", exc_info=True)
+            return "post-processing failed"
+
     def _stop(self) -> int | None:
         site = self._site()
         if site is None:
@@ -475,9 +494,27 @@ def _postprocess(
     partial: bool = False,
     stopped: bool = False,
 ) -> str:
-    lines = _final_lines(generated, site, mode, truncated, healed, stopped)
+    return _postprocess_why(
+        generated, site, prefix, suffix, mode, truncated=truncated, healed=healed, partial=partial, stopped=stopped
+    )[0]
+
+
+def _postprocess_why(
+    generated: str,
+    site: Surroundings,
+    prefix: str,
+    suffix: str,
+    mode: Mode,
+    *,
+    truncated: bool,
+    healed: str,
+    partial: bool = False,
+    stopped: bool = False,
+) -> tuple[str, str]:
+    """:func:`postprocess`'s steps, with the reason when they leave nothing: (text, "") or ("", why)."""
+    lines, why = _final_lines(generated, site, mode, truncated, healed, stopped)
     if not lines:
-        return ""
+        return "", why
     text = "\n".join(lines)
 
     code_follows = bool(site.after.strip())
@@ -487,7 +524,11 @@ def _postprocess(
     prefix, suffix = parse_window(prefix, suffix)
     if not joiner:
         text = trim_overlap(text, prefix, suffix, site)
+        if not text.strip():
+            return "", WHY_OVERLAP
     text = balance(text, prefix, suffix, site, joiner)
+    if not text.strip():
+        return "", WHY_CLOSERS
     if not partial and mode == "multi":
         text = parsing_lines(text, prefix, suffix, site, joiner, truncated)
     elif not partial:
@@ -495,15 +536,22 @@ def _postprocess(
         # What the cut left may end with the suffix's start again (the part after it was a comment).
         text = trim_overlap(cut, prefix, suffix, site) if cut != text and not joiner else cut
     if not text.strip():
-        return ""
+        return "", WHY_SYNTAX
     text = text.rstrip() + joiner if (joiner or not code_follows) else text
-    return text.replace("\n", site.eol) if site.eol != "\n" else text
+    return (text.replace("\n", site.eol) if site.eol != "\n" else text), ""
 
 
-def _final_lines(generated: str, site: Surroundings, mode: Mode, truncated: bool, healed: str, stopped: bool) -> list[str]:
-    """Steps 1-4 of :func:`postprocess`: the lines to insert, before the suffix is consulted."""
+def _final_lines(
+    generated: str, site: Surroundings, mode: Mode, truncated: bool, healed: str, stopped: bool
+) -> tuple[list[str], str]:
+    """Steps 1-4 of :func:`postprocess`: the lines to insert, before the suffix is consulted;
+    with none, why."""
     start, end = _special_span(generated)
     body = generated[start:end]
+    if not body.strip():
+        # In single mode a line break before code on the cursor's line stops the stream at once.
+        splits = mode == "single" and "\n" in body and bool(site.after.strip())
+        return [], WHY_SPLITS_LINE if splits else WHY_NOTHING
     if end == len(generated):
         body = _PARTIAL_SPECIAL.sub("", body)
         cut = body.rfind("\n") + 1
@@ -513,7 +561,9 @@ def _final_lines(generated: str, site: Surroundings, mode: Mode, truncated: bool
             body = body[:cut]
     text = prepare_lines(body, site, mode, healed, final=True)
     if text is None:
-        return []
+        return [], WHY_LEFT_BLOCK
+    if not any(line.strip() for line in text.lines):
+        return [], WHY_PROSE
     keep = keep_lines(text.lines, site, mode, final=True, stopped=stopped)
     lines = text.lines[: keep if keep is not None else len(text.lines)]
     lines = [line.rstrip() for line in lines[:-1]] + lines[-1:]
@@ -521,7 +571,30 @@ def _final_lines(generated: str, site: Surroundings, mode: Mode, truncated: bool
         lines.pop()
     if truncated and mode == "multi":
         lines = _whole_statements(lines, site)
-    return lines
+    return lines, "" if lines else _why_no_lines(text.lines, site, mode)
+
+
+# Why post-processing left nothing of the model's text (ember/stats' why_empty).
+WHY_NOTHING = "the model wrote no code: it ended at once, or wrote only whitespace"
+WHY_LEFT_BLOCK = "the model's first line is indented left of the cursor: it left the cursor's block"
+WHY_PROSE = "the model wrote prose or a markdown fence, not code"
+WHY_REPEATS_NEXT = "the model's first line repeats the line after the cursor"
+WHY_SPLITS_LINE = "the model started a new line, which would split the code after the cursor"
+WHY_BLOCK_RULES = "the block rules kept none of its lines: it starts the code that follows (a definition or statement)"
+WHY_OVERLAP = "it is the code after the cursor again"
+WHY_CLOSERS = "it only closes brackets that the code after the cursor closes already"
+WHY_SYNTAX = "inserting any of it would break the syntax"
+
+
+def _why_no_lines(lines: list[str], site: Surroundings, mode: Mode) -> str:
+    """Which line rule left none of ``lines`` (see :func:`context.cut.line_rules.keep_lines`)."""
+    first = next((line for line in lines if line.strip()), "")
+    head = site.before + first if mode == "multi" and site.blank_before and lines[0].strip() else first
+    if site.next_lines and same_line(head, site.next_lines[0]):
+        return WHY_REPEATS_NEXT
+    if mode == "single" and not lines[0].strip() and site.after.strip():
+        return WHY_SPLITS_LINE
+    return WHY_BLOCK_RULES
 
 
 def _whole_statements(lines: list[str], site: Surroundings) -> list[str]:

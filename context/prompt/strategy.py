@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from context.cut.control_tokens import strip_control_tokens
-from context.cut.postprocess import StreamCutter, SyntaxCutter, plain_postprocess, plain_stop
+from context.cut.postprocess import WHY_NOTHING, StreamCutter, SyntaxCutter, plain_postprocess, plain_stop
 from context.cut.surroundings import Mode
 from context.prompt.builder import Prompt, PromptBudget, PromptRequest, anchored_prompt, naive_prompt
 from context.prompt.fim import FimTemplate
@@ -27,6 +27,7 @@ class Cutter(Protocol):
     """Post-processing of one streamed completion."""
 
     raw: str  # the model's text so far, cut where feed() stopped it
+    seen: str  # all the model's text, uncut
 
     def feed(self, chunk: str) -> bool:
         """Adds streamed text; True when the completion is complete (stop generating)."""
@@ -38,6 +39,10 @@ class Cutter(Protocol):
 
     def finish(self, truncated: bool) -> str:
         """The text to insert once the stream ended (``truncated``: by the token limit or the deadline)."""
+        ...
+
+    def why_empty(self, truncated: bool) -> str:
+        """When :meth:`finish` gave ``""``: the step that left nothing of the model's text."""
         ...
 
 
@@ -58,6 +63,9 @@ class PlainCutter(StreamCutter):
 
     def finish(self, truncated: bool) -> str:
         return plain_postprocess(strip_control_tokens(self.raw), self.mode)
+
+    def why_empty(self, truncated: bool) -> str:
+        return WHY_NOTHING
 
 
 PromptBuilder = Callable[[PromptRequest], Prompt]
