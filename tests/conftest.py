@@ -173,7 +173,7 @@ class TcpServer:
 def tcp_ember(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TcpServer]:
     """One ``ember --tcp`` on 127.0.0.1 for the session (its engine loads once): the TCP tests'
     editors and the load test's sessions connect to it."""
-    from bench.load import start_tcp
+    from tests.load_driver import start_tcp
 
     # `--tcp 0`: the port alone, so tests/test_tcp.py sees the default host.
     proc, address = start_tcp(["--tcp", "0", "--max-tokens", "16", *EAGER], tmp_path_factory.mktemp("tcp") / "stderr.log")

@@ -1,5 +1,5 @@
 """Load and memory: editor sessions over TCP typing at once against one ember process
-(bench/load.py does the typing; this asserts the bounds). Two runs, each proving what it is fast at:
+(tests/load_driver.py does the typing; this asserts the bounds). Two runs, each proving what it is fast at:
 
 - **ember's own memory**: 16 sessions, 2,500 requests over 100 documents, through an OpenAI-compatible
   server that answers at once (tests/fake_openai.py): every request is answered, and the ember
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.load import LoadConfig, LoadReport, load_server, run_load
 from tests.conftest import TcpServer
 from tests.fake_openai import FakeServer
+from tests.load_driver import LoadConfig, LoadReport, load_server, run_load
 
 RESIDENT_GROWTH_MIB = 32
 EMBER_GROWTH_MIB = 8
@@ -32,7 +32,7 @@ TOTAL_PSS_MIB = 4096
 
 def assert_nothing_lost(report: LoadReport, requests: int, growth_mib: float) -> dict:
     summary = report.summary()
-    print(summary)  # shown with -s / on failure: p50/p95 latency, memory
+    print(summary)  # shown with -s / on failure: latency mean and max, memory
     assert report.requests_sent == requests
     assert not report.errors, report.errors[:5]
     assert summary["lost"] == 0
@@ -48,7 +48,7 @@ async def test_sixteen_tcp_sessions_2500_requests_ember_memory_bounded(tmp_path)
     requests = 2500
     engine = await FakeServer("good").start()
     try:
-        # Keys 20-60 ms apart (bench/load.py's typist pauses 40-140 ms): the answers come at once, and
+        # Keys 20-60 ms apart (the load driver pauses 40-140 ms by default): the answers come at once, and
         # every connection stays under the 20 requests/s rate limit.
         config = LoadConfig(
             sessions=16, documents=100, requests=requests, max_tokens=4, key_ms=(20, 60), engine_url=f"{engine.url}/v1"
