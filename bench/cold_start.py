@@ -46,14 +46,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import psutil
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "bench" / "results"
+from bench.harness import RESULTS, ROOT
+
 SOURCE = ROOT / "tests" / "data" / "inventory.py"
 TAIL = "\n\ndef total_weight(items):\n    return "
 URI = "file:///bench/inventory.py"

@@ -30,12 +30,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from context.cut.confidence import Calibration, degenerate  # noqa: E402
+from bench.harness import ROOT
+from context.cut.confidence import Calibration, degenerate
 
 THRESHOLDS = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8]
 

@@ -52,13 +52,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 from lsprotocol import types
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make `bench` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.quality import (  # noqa: E402
+from bench.harness import ROOT
+from bench.quality import (
     CACHE,
     EVAL,
     RESULTS,

@@ -36,12 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import psutil
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench.harness import RESULTS, ROOT
+
 SOURCE = ROOT / "tests" / "data" / "inventory.py"
 # Cursors at the ends of lines that invite code; one per measured request.
 CURSOR_LINES = (

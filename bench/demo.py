@@ -18,11 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
+from bench.harness import ROOT
+
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = ROOT / "tests" / "data" / "inventory.py"
 
 

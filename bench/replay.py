@@ -61,17 +61,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.harness import RESULTS, ROOT
+from bench.prompt_stability import read_sources
+from context.source.document import Document
 
-from bench.prompt_stability import read_sources  # noqa: E402  (fetches pinned releases into bench/.cache)
-from context.source.document import Document  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 # Files interleaved across releases, so `--files N` mixes code bases.
 SOURCES: tuple[tuple[str, str], ...] = (
     ("pypi:requests==2.32.3", "src/requests/sessions.py"),

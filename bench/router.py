@@ -49,17 +49,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.harness import RESULTS, ROOT
+from bench.prompt_stability import read_sources
+from bench.replay import SOURCES, Body, Editor, Record, pct, pick_bodies, type_body, wait_ready
+from engine.routing import metric_sum, parse_prometheus
 
-from bench.prompt_stability import read_sources  # noqa: E402
-from bench.replay import SOURCES, Body, Editor, Record, pct, pick_bodies, type_body, wait_ready  # noqa: E402
-from engine.routing import metric_sum, parse_prometheus  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 POLICIES = ("cache_aware", "round_robin", "consistent_hash", "power_of_two", "kv_aware")
 SERVED_NAME = "ember-model"
 LOST = ("error", "loading")

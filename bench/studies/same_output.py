@@ -26,16 +26,17 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-EVAL = Path(os.environ.get("EMBER_EVAL_DIR") or ROOT.parent / "shared" / "eval")
-REPOS = ROOT / "bench" / ".cache" / "crossfile-repos"
+import bootstrap  # noqa: F401 - python bench/studies/X.py: the checkout on sys.path
+
+from bench.harness import CACHE, EVAL, RESULTS, ROOT, commit, write_results
+
+REPOS = CACHE / "crossfile-repos"
 
 # Runs inside a checkout (cwd): the same steps through that checkout's own modules. It knows the
 # module layout before and after issue 28's rooms.
@@ -143,16 +144,12 @@ def run_worker(checkout: Path, single: list[dict], crossfile: list[dict], out: P
     return {record["key"]: record for record in map(json.loads, out.read_text().splitlines())}
 
 
-def commit_of(checkout: Path) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, required=True, help="a checkout of the code to compare with")
     parser.add_argument("--repos", type=Path, default=REPOS, help="the unpacked cross-file packages")
     parser.add_argument("--limit", type=int, help="cases per set")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "same-output.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "same-output.json")
     args = parser.parse_args()
 
     single, crossfile = load_cases(args.limit, args.repos)
@@ -167,7 +164,7 @@ def main() -> int:
     key_differ = [k for k in keys if (ours.get(k) or {}).get("prefix_key") != (theirs.get(k) or {}).get("prefix_key")]
     answer_differ = [k for k in keys if (ours.get(k) or {}).get("answers") != (theirs.get(k) or {}).get("answers")]
     answers = sum(len(r["answers"]) for r in ours.values())
-    print(f"this checkout {commit_of(ROOT)} vs {commit_of(args.base)} ({args.base}); eval sets at {EVAL}")
+    print(f"this checkout {commit(ROOT)} vs {commit(args.base)} ({args.base}); eval sets at {EVAL}")
     print(f"  {len(single)} HumanEval/SAFIM cases x 3 configurations, {len(crossfile)} cross-file cases x open/workspace")
     print(f"  records               {len(keys):6d} (ours {len(ours)}, theirs {len(theirs)}; {ours_s:.0f} s / {theirs_s:.0f} s)")
     print(f"  prompts differing     {len(prompt_differ):6d}")
@@ -179,12 +176,11 @@ def main() -> int:
             b = json.dumps((ours.get(key) or {}).get(field), indent=1).replace("\\n", "\n").splitlines()
             diff = list(difflib.unified_diff(a, b, f"base:{key}:{field}", f"ours:{key}:{field}", lineterm="", n=1))
             print("\n".join(line[:200] for line in diff[:12]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "commit": commit_of(ROOT), "base": commit_of(args.base), "records": len(keys), "answers": answers,
+    write_results(args.out, {
+        "base": commit(args.base), "records": len(keys), "answers": answers,
         "single_file_cases": len(single), "crossfile_cases": len(crossfile),
         "prompts_differ": prompt_differ, "prefix_keys_differ": key_differ, "answers_differ": answer_differ,
-    }, indent=1))
+    }, args)  # fmt: skip
     print(f"wrote {args.out}")
     return 1 if prompt_differ or key_differ or answer_differ or len(ours) != len(theirs) else 0
 

@@ -34,22 +34,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import bootstrap  # noqa: F401 - python bench/studies/X.py: the checkout on sys.path
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from bench.confidence import fit, held_out, in_sample_ceiling  # noqa: E402
-from bench.quality import DEV_FILES, RESULTS, case_uri, load_cases, normalize, resolve, sample  # noqa: E402
-from context.cut.confidence import TokenTrace, judge  # noqa: E402
-from context.prompt.fim import choose_template  # noqa: E402
-from context.prompt.site import site_at  # noqa: E402
-from context.prompt.strategy import strategy  # noqa: E402
-from context.source.document import Document  # noqa: E402
-from engine.embedded import EmbeddedConfig, EmbeddedEngine  # noqa: E402
-from lsp.completer import prompt_budget  # noqa: E402
-from lsp.config import Settings  # noqa: E402
+from bench.confidence import fit, held_out, in_sample_ceiling
+from bench.quality import DEV_FILES, RESULTS, case_uri, load_cases, normalize, resolve, sample
+from context.cut.confidence import TokenTrace, judge
+from context.prompt.fim import choose_template
+from context.prompt.site import site_at
+from context.prompt.strategy import strategy
+from context.source.document import Document
+from engine.embedded import EmbeddedConfig, EmbeddedEngine
+from lsp.completer import prompt_budget
+from lsp.config import Settings
 
 MAX_TOKENS = 48  # bench/confidence.py's quality run's
 KEEP = 0.9

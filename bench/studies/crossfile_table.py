@@ -1,6 +1,6 @@
 """Issue 29's table for the whole cross-file dev set, merged from the slices it was measured in.
 
-    python3 bench/crossfile_table.py [--out bench/results/crossfile-dev-table.json]
+    python3 bench/studies/crossfile_table.py [--out bench/results/crossfile-dev-table.json]
 
 The 496 cases of ../shared/eval/crossfile_dev.jsonl were run in stratified slices (cases 1-8 per
 package, 9-12, 13-16, ...; bench/crossfile_batch.py, one embedded engine, greedy, Qwen2.5-Coder-0.5B),
@@ -22,7 +22,10 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import bootstrap  # noqa: F401 - python bench/studies/X.py: the checkout on sys.path
+
+from bench.harness import RESULTS
+
 VARIANTS = ("off", "tab", "oracle", "workspace")
 # (file, the name of the variant in it, the variant it stands for)
 SOURCES: tuple[tuple[str, str, str], ...] = (

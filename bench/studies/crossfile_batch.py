@@ -38,23 +38,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import bootstrap  # noqa: F401 - python bench/studies/X.py: the checkout on sys.path
 
-from bench.crossfile import CASES, CrossCase, load_cases, oracle_text, select  # noqa: E402
-from bench.quality import CACHE, RESULTS, edit_similarity, first_line, resolve  # noqa: E402
-from context.prompt.fim import choose_template  # noqa: E402
-from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context  # noqa: E402
-from context.prompt.site import site_at  # noqa: E402
-from context.prompt.snippets import NO_CROSS_FILE, CrossFile, select_snippets  # noqa: E402
-from context.prompt.strategy import strategy  # noqa: E402
-from context.source.document import Document  # noqa: E402
-from context.source.workspace import WorkspaceIndex  # noqa: E402
-from engine.base import GenerationParams  # noqa: E402
-from engine.embedded import EmbeddedConfig, EmbeddedEngine  # noqa: E402
-from lsp.completer import prompt_budget  # noqa: E402
-from lsp.config import Settings  # noqa: E402
+from bench.crossfile import CASES, CrossCase, load_cases, oracle_text, select
+from bench.harness import ROOT
+from bench.quality import CACHE, RESULTS, edit_similarity, first_line, resolve
+from context.prompt.fim import choose_template
+from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context
+from context.prompt.site import site_at
+from context.prompt.snippets import NO_CROSS_FILE, CrossFile, select_snippets
+from context.prompt.strategy import strategy
+from context.source.document import Document
+from context.source.workspace import WorkspaceIndex
+from engine.base import GenerationParams
+from engine.embedded import EmbeddedConfig, EmbeddedEngine
+from lsp.completer import prompt_budget
+from lsp.config import Settings
 
 MAX_TOKENS = 48  # bench/crossfile.py's maxTokens
 
