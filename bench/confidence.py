@@ -33,7 +33,7 @@ from typing import Any
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import numpy as np
 
-from bench.harness import ROOT
+from bench.harness import ROOT, fmt
 from context.cut.confidence import Calibration, degenerate
 
 THRESHOLDS = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8]
@@ -132,10 +132,6 @@ def by_source(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return dict(sorted(found.items()))
 
 
-def fmt(value: Any) -> str:
-    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
 def print_curve(name: str, rows: list[dict[str, Any]], model: Calibration, chosen: float) -> list[dict[str, Any]]:
     curve = [point(rows, model, t) for t in sorted({*THRESHOLDS, chosen})]
     print(f"\n{name} ({len(rows)} held-out cursors)")
@@ -144,8 +140,8 @@ def print_curve(name: str, rows: list[dict[str, Any]], model: Calibration, chose
     for p in curve:
         mark = " (default)" if p["threshold"] == chosen else ""
         print(
-            f"| {p['threshold']:.2f}{mark} | {fmt(p['shown'])} | {fmt(p['exact_among_shown'])} | {fmt(p['exact_kept'])} "
-            f"| {fmt(p['x_all_shown'])} | {p['degenerate_shown']} |"
+            f"| {p['threshold']:.2f}{mark} | {fmt(p['shown'], '.3f')} | {fmt(p['exact_among_shown'], '.3f')} "
+            f"| {fmt(p['exact_kept'], '.3f')} | {fmt(p['x_all_shown'], '.3f')} | {p['degenerate_shown']} |"
         )
     return curve
 
@@ -189,7 +185,7 @@ def main() -> int:
     swapped_points = {}
     for name, rows in fit_sets.items():
         p = swapped_points[name] = point(rows, swapped, swapped_threshold)
-        print(f"  {name}: {fmt(p['exact_kept'])} / {fmt(p['x_all_shown'])} / {fmt(p['shown'])}")
+        print(f"  {name}: {fmt(p['exact_kept'], '.3f')} / {fmt(p['x_all_shown'], '.3f')} / {fmt(p['shown'], '.3f')}")
     print(f"\nceiling: the best threshold per set with hindsight, all {len(judged)} answered cursors (x all shown / exact kept):")
     ceilings = {}
     for name, rows in by_source(records).items():

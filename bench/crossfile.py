@@ -44,7 +44,6 @@ import json
 import random
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -55,19 +54,21 @@ from typing import Any
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 from lsprotocol import types
 
-from bench.harness import ROOT
-from bench.quality import (
+from bench.harness import (
     CACHE,
     EVAL,
     RESULTS,
-    SEED,
-    Case,
-    Server,
-    edit_similarity,
-    first_line,
+    ROOT,
+    add_model_args,
+    commit,
+    fmt,
+    machine,
     percentile,
-    resolve,
-)
+    resolve_model,
+    settings,
+    write_results,
+)  # fmt: skip
+from bench.quality import SEED, Case, Server, edit_similarity, first_line
 
 CASES = EVAL / "crossfile_dev.jsonl"
 DEFAULT_CONFIGS = "current,tab,workspace,oracle"
@@ -189,10 +190,11 @@ class WorkspaceServer(Server):
     """quality.Server run from a given checkout, with a workspace folder that can move."""
 
     def __init__(
-        self, model_path: str | None, options: dict[str, Any], log_path: Path, checkout: Path, folder: Path | None
-    ) -> None:
-        super().__init__(model_path, options, log_path)
-        self.checkout = checkout
+        self, model_path: str | None, options: dict[str, Any], log_path: Path, checkout: Path, folder: Path | None,
+        engine: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(model_path, options, log_path, engine)
+        self.cwd = self.checkout = checkout
         self.folder = folder  # None: no workspace folder at initialize (one may be added later)
 
     def refusals(self) -> list[str]:
@@ -210,15 +212,7 @@ class WorkspaceServer(Server):
 
     async def launch_in_checkout(self) -> None:
         """The process started and initialized (the engine loads in the background)."""
-        await super().launch(
-            self.checkout,
-            types.InitializeParams(
-                capabilities=types.ClientCapabilities(),
-                root_uri=self.folder.as_uri() if self.folder else None,
-                workspace_folders=[folder_item(self.folder)] if self.folder else None,
-                initialization_options=self.options,
-            ),
-        )
+        await super().launch(self.folder)
         await asyncio.sleep(0.5)  # the refusal is a showMessage sent while initializing: fail before the model loads
         if self.refusals():
             raise RuntimeError(f"the server refused the settings: {self.refusals()[0]}")
@@ -309,7 +303,7 @@ def build_servers(
             label, mode = config.server_key
             options = server_options(args, mode, config.checkout.legacy)
             log = logs / f"crossfile-{name}-{label}-{mode}.log"
-            servers[config.server_key] = WorkspaceServer(model_path, options, log, config.checkout.root, folder)
+            servers[config.server_key] = WorkspaceServer(model_path, options, log, config.checkout.root, folder, args.engine)
     return servers
 
 
@@ -416,16 +410,6 @@ def offline_recall(cases: list[CrossCase], repos: Path) -> dict[str, Any]:
                 block = "\n".join(s.text for s in snippets)
                 counts[repo][name] += bool(oracle) and oracle.split("\n", 1)[0].strip() in block
     return dict(counts)
-
-
-def git_head(checkout: Path | None) -> dict[str, Any] | None:
-    if checkout is None:
-        return None
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout, capture_output=True, text=True
-    ).stdout
-    return {"path": str(checkout), "head": head or None, "dirty": bool(dirty.strip())}
 
 
 class Run:
@@ -557,10 +541,6 @@ def summarize_run(records: list[Record], configs: list[str]) -> dict[str, Any]:
             "issue29_targets": issue29_targets(overall, changes)}
 
 
-def fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_tables(summary: dict[str, Any]) -> None:
     sections = {**summary["per_package"], "ALL": summary["overall"]}
     for title, rows in sections.items():
@@ -588,9 +568,7 @@ def print_tables(summary: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--model", default="qwen-coder", help="qwen-coder (default), smollm2, or a model path (bench/quality.py resolve)"
-    )
+    add_model_args(parser, "qwen-coder", engine_args=False)
     parser.add_argument("--limit", type=int, help="N cases per package (fixed seed); default all 496")
     parser.add_argument(
         "--configs", default=DEFAULT_CONFIGS, help=f"comma list of current, tab, workspace, oracle, NAME@base (default {DEFAULT_CONFIGS})"
@@ -624,7 +602,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace) -> int:
-    model = resolve(args.model)
+    model = resolve_model(args.model, args.engine)
     configs = parse_configs(args.configs, args)
     packages = select(load_cases(args.cases), args.limit)
     if args.packages:
@@ -645,7 +623,9 @@ async def run(args: argparse.Namespace) -> int:
         "model_path": model[1],
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "commit": {"new": git_head(ROOT), "base": git_head(args.base)},
+        "commit": {"new": commit(ROOT), "base": commit(args.base) if args.base else None},
+        "machine": machine(),
+        "settings": settings(args),
         "configs": [c.name for c in configs],
         "cases": {"file": str(args.cases), "limit_per_package": args.limit, "seed": SEED, "n": len(cases), "ids": cases},
         "repos": str(args.repos),
@@ -700,8 +680,7 @@ def print_recall(args: argparse.Namespace) -> int:
     for repo, c in sorted(counts.items(), key=lambda item: (item[0] == "ALL", item[0])):
         print(f"{repo:28} {c['cases']:>5} {c['oracle']:>6} {c['tab']:>6} {c['workspace']:>12}")
     out = args.out or RESULTS / "crossfile-recall.json"
-    out.write_text(json.dumps({"commit": git_head(ROOT), "counts": counts}, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {write_results(out, {'counts': counts}, args)}")
     return 0
 
 

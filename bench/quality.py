@@ -42,7 +42,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
 import re
 import signal
@@ -59,9 +58,21 @@ from typing import Any
 
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 from lsprotocol import types
-from pygls.lsp.client import LanguageClient
 
-from bench.harness import CACHE, EVAL, RESULTS, ROOT
+from bench.harness import (
+    CACHE,
+    EVAL,
+    RESULTS,
+    Ember,
+    add_model_args,
+    commit,
+    ember_command,
+    fmt,
+    machine,
+    percentile,
+    resolve_model,
+    settings,
+)  # fmt: skip
 from context.cut.postprocess import syntax_ok
 from context.source.languages import grammar_for, normalize_language_id, parser_for
 from lsp.config import parse_engine_arg
@@ -69,7 +80,7 @@ from lsp.config import parse_engine_arg
 # The public eval sets: ../shared/eval beside the checkout, or $EMBER_EVAL_DIR.
 DEV_FILES = [EVAL / "humaneval_infilling_dev.jsonl", EVAL / "safim_dev.jsonl"]
 SEED = 20240607
-READY_TIMEOUT_S = 900
+PCT = (".1f", 100)  # fmt() of a share as a percentage
 STOP = threading.Event()  # set by SIGTERM
 
 EXTENSIONS = {
@@ -393,13 +404,6 @@ def has_grammar(language: str) -> bool:
     return grammar_for(normalize_language_id(language)) is not None
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def lsp_position(prefix: str) -> types.Position:
     """Where the cursor is: lines split at \\r\\n, \\r and \\n (LSP); characters in UTF-16 units."""
     parts = re.split(r"\r\n|\r|\n", prefix)
@@ -474,139 +478,27 @@ def groups(records: list[Record]) -> dict[str, list[Record]]:
 # ---------------------------------------------------------------------------------- the server
 
 
-def plain(value: Any) -> Any:
-    """pygls hands custom results back as namedtuples."""
-    if hasattr(value, "_asdict"):
-        return {k: plain(v) for k, v in value._asdict().items()}
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
+class Server(Ember):
+    """ember over stdio with one strategy's initializationOptions (harness.Ember), completing cases."""
 
-
-class Server:
-    """One ember process over stdio with the given initializationOptions."""
-
-    def __init__(self, model_path: str | None, options: dict[str, Any], log_path: Path) -> None:
-        self.model_path = model_path
-        self.options = options
-        self.log_path = log_path
-        self.client = LanguageClient("ember-quality", "0.1")
-        self.messages: list[str] = []
-        self._drain: asyncio.Task[None] | None = None
-
-    async def launch(self, cwd: Path, params: types.InitializeParams) -> None:
-        """The process started from ``cwd`` (``python -m lsp`` imports that checkout's code) and
-        initialized with ``params``; the engine loads in the background."""
-        command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING"]
-        if self.model_path:
-            command += ["--model", self.model_path]
-
-        @self.client.feature(types.WINDOW_SHOW_MESSAGE)
-        def show_message(params: types.ShowMessageParams) -> None:
-            self.messages.append(params.message)
-
-        await self.client.start_io(*command, cwd=str(cwd))
-        # The server's stderr is a pipe nobody else reads: drain it to a file, or vLLM's start-up
-        # logging fills it and blocks the server.
-        self._drain = asyncio.create_task(self._drain_stderr())
-        await self.client.initialize_async(params)
-        self.client.initialized(types.InitializedParams())
-
-    async def start(self) -> float:
-        started = time.perf_counter()
-        await self.launch(ROOT, types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=self.options))
-        await self.wait_ready()
-        config_errors = [m for m in self.messages if "initializationOptions" in m]
-        if config_errors:
-            raise RuntimeError(f"the server refused the settings: {config_errors[0]}")
-        return time.perf_counter() - started
-
-    async def wait_ready(self) -> None:
-        """Until the engine is ready (an engine that failed, or took too long, raises)."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            engine = (await self.stats())["engine"]
-            if engine["ready"]:
-                return
-            if engine["error"]:
-                raise RuntimeError(f"engine failed to start: {engine['error']} (log: {self.log_path})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine not ready after {READY_TIMEOUT_S} s (log: {self.log_path})")
-            await asyncio.sleep(0.5)
-
-    async def _drain_stderr(self) -> None:
-        stream = self.client._server.stderr if self.client._server else None
-        if stream is None:
-            return
-        with self.log_path.open("wb") as log:
-            while chunk := await stream.read(65536):
-                log.write(chunk)
-                log.flush()
-
-    async def stats(self, uri: str | None = None) -> dict[str, Any]:
-        return plain(await self.client.protocol.send_request_async("ember/stats", {"uri": uri} if uri else {}))
+    def __init__(self, model_path: str | None, options: dict[str, Any], log_path: Path, engine: str | None = None) -> None:
+        super().__init__(ember_command(model_path, engine), options, log_path, name="ember-quality")
 
     async def complete(self, case: Case, uri: str, timeout_s: float) -> tuple[str, dict[str, Any], float, str | None]:
         """(completion, the server's metrics for it, client-side ms, error)."""
-        language = normalize_language_id(case.language)
-        self.client.text_document_did_open(
-            types.DidOpenTextDocumentParams(
-                types.TextDocumentItem(uri=uri, language_id=language, version=1, text=case.prefix + case.suffix)
-            )
-        )
+        self.open(uri, case.prefix + case.suffix, normalize_language_id(case.language))
         t0 = time.perf_counter()
         error = None
         completion = ""
         try:
-            reply = await asyncio.wait_for(
-                self.client.text_document_inline_completion_async(
-                    types.InlineCompletionParams(
-                        text_document=types.TextDocumentIdentifier(uri=uri),
-                        position=lsp_position(case.prefix),
-                        context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked),
-                    )
-                ),
-                timeout_s,
-            )
-            if reply and reply.items:
-                text = reply.items[0].insert_text
-                completion = text if isinstance(text, str) else text.value
-        except Exception as exc:  # a failing case is a data point, not the end of the run
+            completion = await asyncio.wait_for(super().complete(uri, lsp_position(case.prefix)), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failing case is a data point, not the end of the run
             error = f"{type(exc).__name__}: {exc}"
         client_ms = (time.perf_counter() - t0) * 1000
         # Found by uri: with --concurrency other requests finish in between.
         last = (await self.stats(uri)).get("last_for_uri") or {}
-        self.client.text_document_did_close(
-            types.DidCloseTextDocumentParams(text_document=types.TextDocumentIdentifier(uri=uri))
-        )
+        self.close(uri)
         return completion, last, client_ms, error
-
-    async def stop(self) -> None:
-        """shutdown/exit; then SIGTERM (ember closes its engine on it); SIGKILL as the last resort."""
-        process = self.client._server
-        try:
-            await asyncio.wait_for(self.client.shutdown_async(None), 15)
-            self.client.exit(None)
-        except Exception:
-            pass
-        if process is not None:
-            for sig, wait_s in ((None, 15), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-                if process.returncode is not None:
-                    break
-                if sig is not None:
-                    process.send_signal(sig)
-                try:
-                    await asyncio.wait_for(process.wait(), wait_s)
-                except asyncio.TimeoutError:
-                    continue
-        try:
-            await asyncio.wait_for(self.client.stop(), 10)
-        except Exception:
-            pass
-        if self._drain:
-            self._drain.cancel()
 
 
 def case_uri(case: Case, strategy: str, index: int) -> str:
@@ -616,16 +508,6 @@ def case_uri(case: Case, strategy: str, index: int) -> str:
 
 
 # ------------------------------------------------------------------------------------- reports
-
-
-def fmt(value: Any, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "pct":
-        return f"{100 * value:.1f}"
-    if kind == "ms":
-        return f"{value:.0f}"
-    return str(value)
 
 
 def table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -641,9 +523,9 @@ def table(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
                 continue
             rows.append(
                 [
-                    name, strategy, str(s["n"]), fmt(s["exact_line"], "pct"), fmt(s["exact"], "pct"),
-                    fmt(s["edit_sim"], "pct"), fmt(s["syntax_ok"], "pct"), fmt(s["empty"], "pct"),
-                    fmt(s["latency_p50_ms"], "ms"), fmt(s["latency_p95_ms"], "ms"),
+                    name, strategy, str(s["n"]), fmt(s["exact_line"], *PCT), fmt(s["exact"], *PCT),
+                    fmt(s["edit_sim"], *PCT), fmt(s["syntax_ok"], *PCT), fmt(s["empty"], *PCT),
+                    fmt(s["latency_p50_ms"]), fmt(s["latency_p95_ms"]),
                 ]
             )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -776,17 +658,6 @@ def write_results(path: Path, meta: dict[str, Any], records: dict[str, list[Reco
 # ----------------------------------------------------------------------------------------- main
 
 
-def resolve(model: str | None) -> tuple[str, str | None]:
-    """(name for the results file, path for --model)."""
-    from bench import models
-
-    if model in (None, "smollm2"):
-        return "smollm2", str(models.smollm2())
-    if model == "qwen-coder":
-        return "qwen-coder", str(models.qwen_coder())
-    return Path(model).name.removesuffix(".gguf"), model
-
-
 def server_options(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     """ember's initializationOptions for one strategy."""
     options: dict[str, Any] = {
@@ -847,7 +718,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repo-cases", type=int, default=20, help="line cuts and body cuts per repository (default 20 each)")
     parser.add_argument("--limit", type=int, help="cases per input (each jsonl file; the repo cuts), stratified by source")
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--model", help="smollm2 (default), qwen-coder, or a model folder / .gguf for ember --model")
+    add_model_args(parser, "smollm2", engine_args=False)
     parser.add_argument(
         "--strategy",
         action="append",
@@ -907,7 +778,7 @@ def select_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
 
 
 async def run(args: argparse.Namespace) -> int:
-    name, model_path = resolve(args.model)
+    name, model_path = resolve_model(args.model, args.engine)
     cases, inputs = select_cases(args)
     if not cases:
         print("no cases selected", file=sys.stderr)
@@ -927,9 +798,9 @@ async def run(args: argparse.Namespace) -> int:
         "strategies": strategies,
         "load_s": {},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        or None,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "loadavg_before": list(os.getloadavg())},
+        "commit": commit() or None,
+        "machine": {**machine(), "loadavg_before": list(os.getloadavg())},
+        "settings": settings(args),
     }
     try:
         from tqdm import tqdm
@@ -947,7 +818,7 @@ async def run(args: argparse.Namespace) -> int:
         # latencies can be compared.
         for strategy in strategies:
             options = server_options(args, strategy)
-            servers[strategy] = Server(model_path, options, logs / f"quality-{name}-{strategy}.log")
+            servers[strategy] = Server(model_path, options, logs / f"quality-{name}-{strategy}.log", args.engine)
             meta["load_s"][strategy] = round(await servers[strategy].start(), 1)
             meta.setdefault("options", {})[strategy] = options
         progress = tqdm(total=len(cases) * len(strategies), file=sys.stderr, dynamic_ncols=True) if tqdm else None

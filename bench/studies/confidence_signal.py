@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
@@ -38,7 +37,8 @@ import bootstrap  # noqa: F401 - python bench/studies/X.py: the checkout on sys.
 import numpy as np
 
 from bench.confidence import fit, held_out, in_sample_ceiling
-from bench.quality import DEV_FILES, RESULTS, case_uri, load_cases, normalize, resolve, sample
+from bench.harness import RESULTS, resolve_model, write_results
+from bench.quality import DEV_FILES, case_uri, load_cases, normalize, sample
 from context.cut.confidence import TokenTrace, judge
 from context.prompt.fim import choose_template
 from context.prompt.site import site_at
@@ -185,7 +185,7 @@ def print_table(table: dict[str, Any]) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    label, model_path = resolve(args.model)
+    label, model_path = resolve_model(args.model)
     assert model_path is not None
     engine = EmbeddedEngine(EmbeddedConfig(model_path=model_path, model_name=label))
     await engine.start()
@@ -203,14 +203,14 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"{len(records)} cursors in {time.perf_counter() - started:.0f} s; {label}, greedy, {MAX_TOKENS} tokens")
     print_table(table)
     out = args.out or RESULTS / f"confidence-signal-{label}.json"
-    out.write_text(json.dumps({"model": label, "limit": args.limit, "keep": KEEP, "table": table, "records": records}, indent=1))
-    print(f"wrote {out}")
+    data = {"model": label, "limit": args.limit, "keep": KEEP, "table": table, "records": records}
+    print(f"wrote {write_results(out, data, args)}")
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen-coder")
+    parser.add_argument("--model", default="qwen-coder", help="qwen-coder (default), smollm2, or a model folder (vLLM, embedded)")
     parser.add_argument("--limit", type=int, default=200, help="cursors per dev file, stratified by source")
     parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--out", type=Path)

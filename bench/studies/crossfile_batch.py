@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -41,8 +40,8 @@ from typing import Any
 import bootstrap  # noqa: F401 - python bench/studies/X.py: the checkout on sys.path
 
 from bench.crossfile import CASES, CrossCase, load_cases, oracle_text, select
-from bench.harness import ROOT
-from bench.quality import CACHE, RESULTS, edit_similarity, first_line, resolve
+from bench.harness import CACHE, RESULTS, resolve_model, write_results
+from bench.quality import edit_similarity, first_line
 from context.prompt.fim import choose_template
 from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context
 from context.prompt.site import site_at
@@ -519,7 +518,7 @@ async def main_async(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}: {sorted(table)}")
-    label, model_path = resolve(args.model)
+    label, model_path = resolve_model(args.model)
     assert model_path is not None
     engine = EmbeddedEngine(EmbeddedConfig(model_path=model_path, model_name=label, kv_cache_gib=args.kv_cache_gib))
     started = time.perf_counter()
@@ -555,36 +554,18 @@ async def main_async(args: argparse.Namespace) -> int:
     summary = summarize(records, names)
     print(f"{len(views)} cases x {len(names)} variants in {elapsed:.0f} s; {label}, max_model_len {engine.model.max_model_len}")
     print_table(summary, names)
-    commit = await asyncio.to_thread(commit_of)
     out = args.out or RESULTS / f"crossfile-batch-{label}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "command": " ".join(["python", *sys.argv]),
-                "commit": commit,
-                "model": label,
-                "cases": len(views),
-                "limit_per_package": args.limit,
-                "skip_per_package": args.skip,
-                "variants": names,
-                "seconds": round(elapsed),
-                "summary": summary,
-                "records": [r.__dict__ for r in records],
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {out}")
+    data = {
+        "model": label, "cases": len(views), "limit_per_package": args.limit, "skip_per_package": args.skip, "variants": names,
+        "seconds": round(elapsed), "summary": summary, "records": [r.__dict__ for r in records],
+    }  # fmt: skip
+    print(f"wrote {await asyncio.to_thread(write_results, out, data, args)}")
     return 0
-
-
-def commit_of() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen-coder")
+    parser.add_argument("--model", default="qwen-coder", help="qwen-coder (default), smollm2, or a model folder (vLLM, embedded)")
     parser.add_argument("--repos", type=Path, default=CACHE / "crossfile-repos")
     parser.add_argument("--limit", type=int, help="cases per package (bench/crossfile.py's stratified choice)")
     parser.add_argument("--skip", type=int, default=0, help="leave out the cases that --limit SKIP would choose")
