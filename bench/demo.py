@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 from lsprotocol import types
-from pygls.lsp.client import LanguageClient
 
-from bench.harness import ROOT
+from bench.harness import RESULTS, ROOT, Ember, add_model_args, ember_command, write_results
 
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
 DEFAULT_FILE = ROOT / "tests" / "data" / "inventory.py"
@@ -45,42 +43,29 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", nargs="?", default=str(DEFAULT_FILE))
     parser.add_argument("--engine-url", action="append", default=[])
-    parser.add_argument("--model")
-    parser.add_argument("--engine", choices=("auto", "vllm", "llamacpp"), help="the embedded engine (default: ember's choice)")
+    add_model_args(parser, engine_args=False)
     args = parser.parse_args()
 
     path = Path(args.file).resolve()
     text = path.read_text()
     uri = path.as_uri()
-    command = [sys.executable, "-m", "lsp", "--stdio", "--log-level", "WARNING"]
-    for url in args.engine_url:
-        command += ["--engine-url", url]
-    if not args.engine_url:
-        # A short run: start-up dominates, so the daemon's engine starts eager (not compiled; vLLM only).
-        command += ["--engine-arg", "enforce_eager=true"]
-    if args.model:
-        command += ["--model", args.model]
-    if args.engine:
-        command += ["--engine", args.engine]
-
-    client = LanguageClient("ember-demo", "0.1")
-    shown: list[str] = []
-    client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: shown.append(params.message))
+    remote = [flag for url in args.engine_url for flag in ("--engine-url", url)]
+    # A short run: start-up dominates, so the daemon's engine starts eager (not compiled; vLLM only).
+    eager = () if args.engine_url else ("enforce_eager=true",)
+    ember = Ember(ember_command(args.model, args.engine, eager, *remote, daemon=None), {"maxTokens": 48}, name="ember-demo")
+    client = ember.client
+    shown = ember.messages
     started = time.perf_counter()
-    await client.start_io(*command)
-    await client.initialize_async(
-        types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options={"maxTokens": 48})
-    )
-    client.initialized(types.InitializedParams())
-    client.text_document_did_open(
-        types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=uri, language_id="python", version=1, text=text))
-    )
-    while not (engine := (await client.protocol.send_request_async("ember/stats", {})).engine).ready:
-        if engine.error:
-            print(f"ember could not start its engine: {engine.error}")
-            return 1
-        await asyncio.sleep(0.5)
-    load_s = time.perf_counter() - started
+    await ember.launch()
+    ember.open(uri, text)
+    try:
+        await ember.wait_ready()
+        load_s = time.perf_counter() - started
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"ember could not start its engine: {exc}")
+        await ember.stop()
+        return 1
+    engine = (await client.protocol.send_request_async("ember/stats", {})).engine
     await asyncio.sleep(0.2)  # the fallback warning follows readiness
     served = f" on {ENGINE_NAMES.get(engine.kind, engine.kind)} ({engine.why})" if getattr(engine, "kind", None) else " on a remote server"
     print(f"model {engine.model}{served}: server up and model loaded in {load_s:.1f} s")
@@ -113,20 +98,14 @@ async def main() -> int:
         rows.append({"label": label, "line": line, "character": character, "completion": completion, "client_ms": client_ms, **last})
 
     daemon = stats.daemon._asdict() if getattr(stats, "daemon", None) else None
-    await client.shutdown_async(None)
-    client.exit(None)
-    await client.stop()
+    await ember.stop()
     if daemon:
         print(
             f"the engine ran in ember's shared daemon (pid {daemon['pid']}); it serves the next editor window at "
             f"once and exits after {daemon['idle_exit_s']:.0f} s without one (`.venv/bin/ember daemon stop` ends it now)"
         )
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(
-        json.dumps({"file": str(path), "model": engine.model, "messages": shown, "load_s": load_s, "requests": rows}, indent=2)
-    )
-    print(f"wrote {out / 'demo.json'}")
+    data = {"file": str(path), "model": engine.model, "messages": shown, "load_s": load_s, "requests": rows}
+    print(f"wrote {write_results(RESULTS / 'demo.json', data, args)}")
     return 0 if any(r["completion"] for r in rows) else 1
 
 

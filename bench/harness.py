@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +86,11 @@ def resolve_model(name: str | None, engine: str | None = None) -> tuple[str, str
 
 
 def ember_command(
-    model: str | None = None, engine: str | None = None, engine_args: Sequence[str] = (), *extra: str, daemon: str = "off"
+    model: str | None = None, engine: str | None = None, engine_args: Sequence[str] = (), *extra: str, daemon: str | None = "off"
 ) -> list[str]:
-    """``python -m lsp --stdio`` with these settings (``extra``: more ember flags)."""
-    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", daemon, "--log-level", "WARNING"]
+    """``python -m lsp --stdio`` with these settings (``extra``: more ember flags; ``daemon`` None:
+    ember's default, which ``$EMBER_DAEMON`` sets, as for an editor)."""
+    command = [sys.executable, "-m", "lsp", "--stdio", *(("--daemon", daemon) if daemon else ()), "--log-level", "WARNING"]
     if model:
         command += ["--model", model]
     if engine and engine != "auto":
@@ -241,16 +242,15 @@ def fmt(value: Any, spec: str = ".0f", scale: float = 1) -> str:
     return format(value * scale if scale != 1 else value, spec)
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = True) -> str:
-    """A markdown table (numbers right-aligned), or with ``markdown=False`` plain aligned columns."""
-    cells = [[str(c) for c in header], *([str(c) for c in row] for row in rows)]
-    if markdown:
-        align = ["---" if i == 0 else "---:" for i in range(len(header))]
-        return "\n".join("| " + " | ".join(row) + " |" for row in (cells[0], align, *cells[1:]))
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in cells
-    )
+def table(header: Sequence[Any], rows: Iterable[Sequence[Any]], right_from: int = 1) -> str:
+    """A markdown table; the columns from ``right_from`` on (the numbers) right-aligned; cells made
+    safe for markdown (``|`` escaped, line breaks as spaces)."""
+
+    def line(cells: Sequence[Any]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    return "\n".join([line(header), "| " + " | ".join(align) + " |", *(line(row) for row in rows)])
 
 
 # ----------------------------------------------------------------------------------- results

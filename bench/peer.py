@@ -84,11 +84,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import hashlib
 import json
 import os
-import platform
 import re
 import socket
 import subprocess
@@ -105,9 +103,20 @@ import httpx
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from bench.harness import CACHE, RESULTS, ROOT
+from bench.harness import (
+    CACHE,
+    RESULTS,
+    ROOT,
+    Ember,
+    ember_command,
+    fmt,
+    machine,
+    percentile,
+    utf16_position,
+    write_results,
+)  # fmt: skip
 from bench.prompt_stability import read_sources
-from bench.replay import SOURCES, Body, Editor, fmt, pct, pick_bodies, type_body, utf16_position, wait_ready
+from bench.replay import SOURCES, Body, Editor, pick_bodies, type_body
 from context.prompt.fim import FimTemplate, choose_template
 from context.source.document import Document
 from engine.base import ModelInfo
@@ -276,9 +285,9 @@ class EmberEditor(Editor):
 
 async def start_ember(name: str, args: argparse.Namespace, model: Model, engine: str) -> Stack:
     options = {"maxTokens": args.max_tokens, "timeoutMs": args.timeout_ms}
-    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING", "--engine", engine]
-    command += ["--model", model.gguf_arg if engine == "llamacpp" else model.ember_arg]
-    client = LanguageClient("ember-peer-bench", "0.1")
+    command = ember_command(model.gguf_arg if engine == "llamacpp" else model.ember_arg, engine)
+    ember = Ember(command, options, name="ember-peer-bench")
+    client = ember.client
     partials: dict[str, Callable[[Any], None]] = {}
 
     def on_progress(params: Any) -> None:
@@ -295,13 +304,8 @@ async def start_ember(name: str, args: argparse.Namespace, model: Model, engine:
 
     client.protocol.fm.features[types.PROGRESS] = on_progress
     client.protocol.fm.features[types.WINDOW_SHOW_MESSAGE] = on_message
-    started = time.perf_counter()
-    await client.start_io(*command, cwd=str(ROOT))
-    await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options))
-    client.initialized(types.InitializedParams())
-    await wait_ready(client)
-    load_s = time.perf_counter() - started
-    total = (await client.protocol.send_request_async("ember/stats", {})).requests
+    load_s = await ember.start()
+    total = (await ember.stats())["requests"]
     print(f"[{name}] ember up in {load_s:.1f} s: {' '.join(command[1:])}", flush=True)
 
     def editor(path: str, text: str) -> EmberEditor:
@@ -310,13 +314,11 @@ async def start_ember(name: str, args: argparse.Namespace, model: Model, engine:
         return e
 
     async def close() -> dict[str, Any]:
-        summary = await client.protocol.send_request_async("ember/stats", {})
-        await client.shutdown_async(None)
-        client.exit(None)
-        await client.stop()
-        return {"command": command[1:], "options": options, "messages": messages, "server_summary": json.loads(json.dumps(summary, default=lambda o: o._asdict() if hasattr(o, "_asdict") else str(o)))}
+        summary = await ember.stats()
+        await ember.stop()
+        return {"command": command[1:], "options": options, "messages": messages, "server_summary": summary}
 
-    stack = Stack(name, editor, close, load_s, [args.requests], total, pids=[client._server.pid] if client._server else [])
+    stack = Stack(name, editor, close, load_s, [args.requests], total, pids=[ember.pid] if ember.pid else [])
     return stack
 
 
@@ -675,7 +677,7 @@ async def run_replay(stacks: list[Stack], files: list[tuple[str, str, list[Body]
 
 
 def dist(values: list[float]) -> dict[str, float | int | None]:
-    return {"p50": pct(values, 0.5), "p95": pct(values, 0.95), "n": len(values)}
+    return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "n": len(values)}
 
 
 def summarize(records: list[Record]) -> dict[str, Any]:
@@ -723,12 +725,12 @@ def paired(records: dict[str, list[Record]], peer: str = "peer") -> dict[str, di
             lines = [(a, b) for a, b in pairs if a.first_line_ms is not None and b.first_line_ms is not None]
             entry[label] = {
                 "n": len(pairs),
-                "visible_ms_p50": pct([a.visible_ms for a, _ in pairs], 0.5),  # type: ignore[misc]
-                "peer_visible_ms_p50": pct([b.visible_ms for _, b in pairs], 0.5),  # type: ignore[misc]
-                "visible_ratio_median": pct(ratios_, 0.5),
+                "visible_ms_p50": percentile([a.visible_ms for a, _ in pairs], 0.5),  # type: ignore[misc]
+                "peer_visible_ms_p50": percentile([b.visible_ms for _, b in pairs], 0.5),  # type: ignore[misc]
+                "visible_ratio_median": percentile(ratios_, 0.5),
                 "faster_or_equal": sum(a.visible_ms <= b.visible_ms for a, b in pairs),  # type: ignore[operator]
-                "first_line_ms_p50": pct([a.first_line_ms for a, _ in lines], 0.5),  # type: ignore[misc]
-                "peer_first_line_ms_p50": pct([b.first_line_ms for _, b in lines], 0.5),  # type: ignore[misc]
+                "first_line_ms_p50": percentile([a.first_line_ms for a, _ in lines], 0.5),  # type: ignore[misc]
+                "peer_first_line_ms_p50": percentile([b.first_line_ms for _, b in lines], 0.5),  # type: ignore[misc]
             }
         result[name] = entry
     return result
@@ -825,16 +827,6 @@ def plot(records: dict[str, list[Record]], path: Path, title: str) -> bool:
     return True
 
 
-def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"platform": platform.platform(), "cpu": model, "cpus": os.cpu_count(), "python": platform.python_version()}
-
-
 class LoadMonitor:
     """Samples, every few seconds, how many cores processes outside this benchmark keep busy: the
     machine is shared, and a run is only worth reading if that stayed near zero."""
@@ -903,16 +895,6 @@ def busy_processes(limit: float = 20.0) -> list[str]:
         if len(parts) == 3 and float(parts[1]) > limit and int(parts[0]) != os.getpid():
             busy.append(line.strip())
     return busy
-
-
-def git_commit() -> str:
-    """HEAD, with "+modified" when this script differs from it (the run used the working tree)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "bench/peer.py"], cwd=ROOT, timeout=10).returncode != 0
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return head + ("+modified" if dirty else "")
 
 
 # ------------------------------------------------------------------------------------ main
@@ -1015,35 +997,19 @@ async def main(argv: list[str] | None = None) -> int:
           + (": NOT a quiet machine, timings are suspect" if mean is not None and mean > 0.25 else ""))
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
     plotted = plot(records, png, f"ember vs llama.cpp's server ({args.peer_server}, llama.vim-style client): {args.model}, typing replay")
     busy_after = busy_processes()
-    out.write_text(
-        json.dumps(
-            {
-                "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "commit": git_commit(),
-                "args": vars(args),
-                "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                            "busy_processes_before": busy_before, "busy_processes_after": busy_after,
-                            "other_processes_during_replay": load},
-                "model": {"name": args.model, "gguf": str(model.gguf), "folder": str(model.folder), "fim_template": prompts.template.name},
-                "peer": {"server": peer_label(args.peer_server), "threads": THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
-                         "command": next((s.command for n, s in servers if n.startswith("peer")), None)},
-                "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
-                "runs": runs,
-                "turns": turns,
-                "summary": summaries,
-                "ratios_to_peer_p50": rel,
-                "paired_with_peer": pairs,
-                "goal": goal,
-                "requests": {name: [asdict(r) for r in recs] for name, recs in records.items()},
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    write_results(out, {
+        "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                    "busy_processes_before": busy_before, "busy_processes_after": busy_after, "other_processes_during_replay": load},
+        "model": {"name": args.model, "gguf": str(model.gguf), "folder": str(model.folder), "fim_template": prompts.template.name},
+        "peer": {"server": peer_label(args.peer_server), "threads": THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
+                 "command": next((s.command for n, s in servers if n.startswith("peer")), None)},
+        "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
+        "runs": runs, "turns": turns, "summary": summaries, "ratios_to_peer_p50": rel, "paired_with_peer": pairs, "goal": goal,
+        "requests": {name: [asdict(r) for r in recs] for name, recs in records.items()},
+    }, args)  # fmt: skip
     print(f"\nwrote {out}" + (f" and {png}" if plotted else ""))
     return 0
 

@@ -23,8 +23,6 @@ Prints a table per strategy/layout/language and writes bench/results/prompt_stab
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,14 +34,14 @@ from pathlib import Path
 
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 
-from bench.harness import ROOT
+from bench.harness import CACHE, RESULTS, ROOT, percentile, write_results
 from context.prompt.builder import PromptBudget, build_naive_prompt, build_prompt
 from context.prompt.fim import PREFIX_ONLY, TEMPLATES, FimTemplate
 from context.source.document import Document
 from context.source.languages import normalize_language_id
 
-CACHE = ROOT / "bench" / ".cache" / "repos"
-RESULTS = ROOT / "bench" / "results" / "prompt_stability.json"
+REPOS = CACHE / "repos"
+OUT = RESULTS / "prompt_stability.json"
 
 # (release, files inside the archive): real code of different shapes, several hundred lines each.
 SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -70,18 +68,18 @@ _FUNCTION_TYPES = frozenset(
 def fetch(spec: str) -> Path:
     """The release archive of ``pypi:name==version`` (sdist, via pip) or ``npm:name@version`` (via
     npm pack), downloaded once into the cache (shared with bench/quality.py)."""
-    CACHE.mkdir(parents=True, exist_ok=True)
+    REPOS.mkdir(parents=True, exist_ok=True)
     kind, _, what = spec.partition(":")
     if kind == "pypi":
         name, version = what.split("==")
-        archive = CACHE / f"{name}-{version}.tar.gz"
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet", "-d", str(CACHE), what]
+        archive = REPOS / f"{name}-{version}.tar.gz"
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet", "-d", str(REPOS), what]
     else:
         name, version = what.rsplit("@", 1)
-        archive = CACHE / f"{name}-{version}.tgz"
+        archive = REPOS / f"{name}-{version}.tgz"
         command = ["npm", "pack", "--silent", what]
     if not archive.is_file():
-        subprocess.run(command, cwd=CACHE, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(command, cwd=REPOS, check=True, stdout=subprocess.DEVNULL)
     if not archive.is_file():
         raise RuntimeError(f"{spec}: {archive.name} was not downloaded")
     return archive
@@ -229,11 +227,6 @@ def replay(
 # ------------------------------------------------------------------------------------ report
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
-
-
 def summarize(s: Series) -> dict[str, float]:
     return {
         "requests": len(s.shared),
@@ -326,27 +319,16 @@ def main() -> int:
         print(f"build {name}: median {t['median']:.2f} ms, p90 {t['p90']:.2f} ms (tokenizer counting included)")
     print(f"{sum(int(f['requests']) for f in per_file)} requests over {len(per_file)} bodies in {elapsed:.0f} s")
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "benchmark": "prompt_stability",
-                "metric": "shared = longest common token prefix with the previous request / current prompt tokens",
-                "tokenizer": model.name,
-                "sources": [spec for spec, _ in SOURCES],
-                "config": {"every_chars": args.every, "points_per_file": args.points, "max_body_chars": args.max_body,
-                           "prefix_tokens": budget.prefix_tokens, "suffix_tokens": budget.suffix_tokens},
-                "machine": {"python": platform.python_version(), "platform": platform.platform()},
-                "results": rows,
-                "build_ms": build_ms,
-                "bodies": per_file,
-                "elapsed_s": round(elapsed, 1),
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    write_results(OUT, {
+        "benchmark": "prompt_stability",
+        "metric": "shared = longest common token prefix with the previous request / current prompt tokens",
+        "tokenizer": model.name,
+        "sources": [spec for spec, _ in SOURCES],
+        "config": {"every_chars": args.every, "points_per_file": args.points, "max_body_chars": args.max_body,
+                   "prefix_tokens": budget.prefix_tokens, "suffix_tokens": budget.suffix_tokens},
+        "results": rows, "build_ms": build_ms, "bodies": per_file, "elapsed_s": round(elapsed, 1),
+    }, args)  # fmt: skip
+    print(f"wrote {OUT.relative_to(ROOT)}")
     return 0
 
 

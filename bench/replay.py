@@ -49,12 +49,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,7 +62,19 @@ import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from bench.harness import RESULTS, ROOT
+from bench.harness import (
+    RESULTS,
+    ROOT,
+    Ember,
+    add_model_args,
+    chance,
+    ember_command,
+    fmt,
+    percentile,
+    resolve_model,
+    utf16_position,
+    write_results,
+)  # fmt: skip
 from bench.prompt_stability import read_sources
 from context.source.document import Document
 
@@ -148,18 +157,7 @@ def _ident(ch: str) -> bool:
     return ch.isalnum() or ch == "_"
 
 
-def chance(seed: int, *where: object) -> random.Random:
-    """A random stream that depends only on the seed and the place, not on what happened before."""
-    return random.Random(":".join(map(str, (seed, *where))))
-
-
 # ------------------------------------------------------------------------------------ the client
-
-
-def utf16_position(text: str, offset: int) -> types.Position:
-    line_start = text.rfind("\n", 0, offset) + 1
-    line = text.count("\n", 0, line_start)
-    return types.Position(line=line, character=len(text[line_start:offset].encode("utf-16-le")) // 2)
 
 
 @dataclass
@@ -291,22 +289,10 @@ async def type_body(editor: Editor, body: Body, args: argparse.Namespace, budget
     assert editor.text[body.start : body.start + len(truth)] == truth
 
 
-async def wait_ready(client: LanguageClient, timeout_s: float = 600) -> float:
-    started = time.perf_counter()
-    while True:
-        stats = await client.protocol.send_request_async("ember/stats", {})
-        if stats.engine.ready:
-            return time.perf_counter() - started
-        if stats.engine.error:
-            raise RuntimeError(f"engine failed: {stats.engine.error}")
-        if time.perf_counter() - started > timeout_s:
-            raise TimeoutError("engine did not become ready")
-        await asyncio.sleep(0.5)
-
-
 @dataclass
 class Server:
     name: str
+    ember: Ember
     client: LanguageClient
     options: dict[str, Any]
     load_s: float
@@ -335,47 +321,26 @@ def process_cpu_s(pid: int) -> float:
 async def start_server(name: str, args: argparse.Namespace) -> Server:
     config, root = config_and_root(name, args)
     options = {"maxTokens": args.max_tokens, **config}
-    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--log-level", "WARNING", "--model", args.model]
-    if args.engine:
-        command += ["--engine", args.engine]
-    for engine_arg in args.engine_arg:
-        command += ["--engine-arg", engine_arg]
-    client = LanguageClient("ember-replay", "0.1")
-    started = time.perf_counter()
-    await client.start_io(*command, cwd=str(root))
-    folder = {}
-    if args.workspace is not None:
-        uri = args.workspace.resolve().as_uri()
-        folder = {"root_uri": uri, "workspace_folders": [types.WorkspaceFolder(uri, args.workspace.name)]}
-    await client.initialize_async(
-        types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options, **folder)
-    )
-    client.initialized(types.InitializedParams())
-    await wait_ready(client)
-    load_s = time.perf_counter() - started
+    ember = Ember(ember_command(resolve_model(args.model, args.engine)[1], args.engine, args.engine_arg), options, cwd=root)
+    load_s = await ember.start(args.workspace.resolve() if args.workspace is not None else None)
     print(f"[{name}] server up, model loaded in {load_s:.1f} s; options {options}", flush=True)
-    stats = await client.protocol.send_request_async("ember/stats", {})
-    server = Server(name, client, options, load_s, [args.requests], stats.requests)
-    server.pid = stats.process.pid
+    stats = await ember.stats()
+    server = Server(name, ember, ember.client, options, load_s, [args.requests], stats["requests"])
+    server.pid = stats["process"]["pid"]
     server.cpu_s_at_start = process_cpu_s(server.pid)
     return server
 
 
 async def stop_server(server: Server) -> dict[str, Any]:
-    summary = await server.client.protocol.send_request_async("ember/stats", {})
+    summary = await server.ember.stats()
     # The server process's own CPU (the embedded engine's core runs in a process of its own):
     # ember's work per request, plus the engine client's (vLLM's frontend, detokenizing).
     cpu_s = process_cpu_s(server.pid) - server.cpu_s_at_start
-    await server.client.shutdown_async(None)
-    server.client.exit(None)
-    await server.client.stop()
+    await server.ember.stop()
     return {
-        "load_s": server.load_s,
-        "replay_s": server.replay_s,
-        "server_cpu_s": cpu_s,
-        "options": server.options,
-        "server_summary": json.loads(json.dumps(summary, default=lambda o: o._asdict() if hasattr(o, "_asdict") else str(o))),
-    }
+        "load_s": server.load_s, "replay_s": server.replay_s, "server_cpu_s": cpu_s, "options": server.options,
+        "server_summary": summary,
+    }  # fmt: skip
 
 
 def file_uri(path: str, args: argparse.Namespace) -> str:
@@ -455,11 +420,8 @@ async def replay(servers: list[Server], files: list[tuple[str, str, list[Body]]]
 # ------------------------------------------------------------------------------------ report
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+def p50_p95(values: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95)}
 
 
 def summarize(records: list[Record]) -> dict[str, Any]:
@@ -485,28 +447,24 @@ def summarize(records: list[Record]) -> dict[str, Any]:
         "recorded": len(ms),
         "generated": len(generated),
         "outcomes": outcomes,
-        "latency_ms": {"p50": pct(latency, 0.5), "p95": pct(latency, 0.95), "n": len(latency)},
-        "client_ms": {"p50": pct([r.client_ms for r in records], 0.5), "p95": pct([r.client_ms for r in records], 0.95)},
-        "ttft_ms": {"p50": pct(ttft, 0.5), "p95": pct(ttft, 0.95), "mean": statistics.fmean(ttft) if ttft else None, "n": len(ttft)},
-        "decode_tokens_per_s": {"p50": pct(decode, 0.5), "mean": statistics.fmean(decode) if decode else None, "n": len(decode)},
-        "generated_latency_ms": {"p50": pct([m["latency_ms"] for m in generated], 0.5), "p95": pct([m["latency_ms"] for m in generated], 0.95)},
-        "kv_reuse": {"median": statistics.median(reuse) if reuse else None, "p10": pct(reuse, 0.10), "n": len(reuse)},
-        "prompt_tokens_median": statistics.median([m["prompt_tokens"] for m in generated]) if generated else None,
+        "latency_ms": {**p50_p95(latency), "n": len(latency)},
+        "client_ms": p50_p95([r.client_ms for r in records]),
+        "ttft_ms": {**p50_p95(ttft), "mean": statistics.fmean(ttft) if ttft else None, "n": len(ttft)},
+        "decode_tokens_per_s": {"p50": percentile(decode, 0.5), "mean": statistics.fmean(decode) if decode else None, "n": len(decode)},
+        "generated_latency_ms": p50_p95([m["latency_ms"] for m in generated]),
+        "kv_reuse": {"median": percentile(reuse, 0.5), "p10": percentile(reuse, 0.10), "n": len(reuse)},
+        "prompt_tokens_median": percentile([m["prompt_tokens"] for m in generated], 0.5),
         "cache_hit_rate": (sum(bool(m.get("cache_hit")) for m in ms) / len(ms)) if ms else None,
-        "overhead_ms": {"p50": pct(overhead, 0.5), "p95": pct(overhead, 0.95), "n": len(overhead)},
+        "overhead_ms": {**p50_p95(overhead), "n": len(overhead)},
         "along": {
             "requests": len(along),
             "cache_hit": sum(bool(r.metrics.get("cache_hit")) for r in along),
             "fast_cache_fraction": (len(fast_along) / len(along)) if along else None,
-            "latency_ms_p50": pct([r.metrics["latency_ms"] for r in along], 0.5),
+            "latency_ms_p50": percentile([r.metrics["latency_ms"] for r in along], 0.5),
         },
         "low_reuse": sum(1 for v in reuse if v < 0.5),
         "empty_suggestions": sum(not r.suggestion for r in records),
     }
-
-
-def fmt(value: Any, spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def print_table(summaries: dict[str, dict[str, Any]]) -> None:
@@ -606,10 +564,7 @@ async def main() -> int:
     parser.add_argument("--configs", default="ember,off",
                         help="comma-separated: ember, off, cold, eager, compiled, open, workspace; NAME@base runs NAME from --base")
     parser.add_argument("--base", type=Path, help="another checkout (e.g. a git worktree of the previous commit) for NAME@base")
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="a vLLM engine argument for every server (repeatable), as ember --engine-arg")
-    parser.add_argument("--model", default="bundled", help="passed to the server as --model (default: bundled, SmolLM2-135M)")
-    parser.add_argument("--engine", choices=("auto", "vllm", "llamacpp"), help="passed to every server as --engine (default: ember's choice)")
+    add_model_args(parser, "bundled")
     parser.add_argument("--workspace", type=Path,
                         help="a package folder (e.g. bench/.cache/crossfile-repos/requests-2.32.3, laid out by "
                         "../shared/eval/fetch-crossfile-repos.sh) that is the editor's workspace: its files are replayed")
@@ -651,26 +606,15 @@ async def main() -> int:
             print(f"  {key:34} {fmt(check['value'], '.3f'):>8}  {'' if key.startswith('(') else 'ok' if check['ok'] else 'MISS'}")
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
     plotted = plot(records, png)
-    out.write_text(
-        json.dumps(
-            {
-                "args": {k: v for k, v in vars(args).items()},
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
-                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-                "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
-                "runs": runs,
-                "summary": summaries,
-                "targets": checks,
-                "requests": {name: [asdict(r) for r in recs] for name, recs in records.items()},
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    write_results(out, {
+        "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
+        "runs": runs,
+        "summary": summaries,
+        "targets": checks,
+        "requests": {name: [asdict(r) for r in recs] for name, recs in records.items()},
+    }, args)  # fmt: skip
     print(f"\nwrote {out}" + (f" and {png}" if plotted else ""))
     return 0
 

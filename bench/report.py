@@ -14,7 +14,7 @@ which commit the run was made, and the exact command or arguments it recorded; w
 record is printed as "not recorded", never filled in from the machine this script runs on. Numbers
 are formatted as the benchmark itself prints them. Files may be missing, half-written by a run in
 progress, or written by an older version of a benchmark: a missing file is "(no results yet)", a
-missing key is "-". Only the standard library, and it starts nothing: it can run while benchmarks do.
+missing key is "-". It starts nothing: it can run while benchmarks do.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
+
+from bench.harness import RESULTS, ROOT, fmt, table
+
 README = ROOT / "bench" / "README.md"
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
@@ -81,34 +83,24 @@ def seq(value: Any) -> list[Any]:
 # ------------------------------------------------------------------------------------ formatting
 
 
-def num(value: Any, spec: str = ".0f") -> str:
-    """A number as the benchmarks print it (their ``fmt``): ``-`` when absent."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "-"
-    return format(value, spec)
+def num(value: Any, spec: str = ".0f", scale: float = 1) -> str:
+    """A number as the benchmarks print it (the harness' ``fmt``); ``-`` when absent or not a number."""
+    return fmt(value if isinstance(value, (int, float)) and not isinstance(value, bool) else None, spec, scale)
 
 
 def percent(value: Any) -> str:
-    """A fraction as a percentage with one decimal (bench/quality.py's ``pct``)."""
-    return num(value * 100, ".1f") if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+    """A fraction as a percentage with one decimal (bench/quality.py's)."""
+    return num(value, ".1f", 100)
+
+
+def markdown(header: Row, rows: Iterable[Row], right_from: int = 1) -> list[str]:
+    """The harness' markdown table, as lines."""
+    return table(header, rows, right_from).split("\n")
 
 
 def pair(a: str, b: str) -> str:
     """``a / b`` (p50 / p95 and the like), or ``-`` when both are missing."""
     return "-" if a == b == "-" else f"{a} / {b}"
-
-
-def cell(text: Any) -> str:
-    """Text safe inside a markdown table cell."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def table(header: Row, rows: Iterable[Row], right_from: int = 1) -> list[str]:
-    """A markdown table; columns from ``right_from`` on (the numbers) are right-aligned."""
-    align = ["---" if i < right_from else "---:" for i in range(len(header))]
-    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
-    return lines
 
 
 def relative(path: Any) -> str:
@@ -259,7 +251,7 @@ def prompt_stability(path: Path) -> list[str]:
         n = {num(get(s, "requests"), "d") for s in r.values()}
         body.append([layout, language, " / ".join(sorted(n)), *both("median", ".3f"), *both("p10", ".3f"),
                      *both("prefill_mean", ".1f"), *both("prompt_tokens_mean", ".0f")])
-    lines += table(header, body, right_from=2)
+    lines += markdown(header, body, right_from=2)
     builds = obj(get(data, "build_ms"))
     if builds:
         lines.append("")
@@ -294,7 +286,7 @@ def replay(path: Path, title: str = "Typing replay (bench/replay.py)") -> list[s
     lines = heading(title, path)
     if data is None:
         return lines + [problem, ""]
-    args = obj(get(data, "args"))
+    args = obj(get(data, "args") or get(data, "settings"))
     runs = obj(get(data, "runs"))
     took = "; ".join(f"{name}: model load {num(get(r, 'load_s'))} s, replay {num(get(r, 'replay_s'))} s"
                      for name, r in runs.items())
@@ -312,11 +304,11 @@ def replay(path: Path, title: str = "Typing replay (bench/replay.py)") -> list[s
     if not summary:
         return lines + [NO_RESULTS, ""]
     names = list(summary)
-    lines += table(["", *names], ([label, *(show(summary[n]) for n in names)] for label, show in replay_rows()))
+    lines += markdown(["", *names], ([label, *(show(summary[n]) for n in names)] for label, show in replay_rows()))
     checks = obj(get(data, "targets"))
     if checks:
         lines += ["", "targets (ember):", ""]
-        lines += table(["target", "value", "status"], (
+        lines += markdown(["target", "value", "status"], (
             [key, num(get(c, "value"), ".3f"), "" if key.startswith("(") else "ok" if get(c, "ok") else "MISS"]
             for key, c in checks.items()
         ))
@@ -355,7 +347,7 @@ def load(path: Path) -> list[str]:
         ["ember + engine PSS max (MiB)", num(get(s, "total_pss_mib_max"))],
         ["server outcomes", json.dumps(outcomes) if outcomes is not None else "-"],
     ]
-    lines += table(["", "value"], rows)
+    lines += markdown(["", "value"], rows)
     errors = seq(get(data, "errors"))
     if errors:
         lines += ["", f"first errors (of {num(get(s, 'errors'), 'd')}):", ""] + [f"- `{e}`" for e in errors[:3]]
@@ -389,7 +381,7 @@ def daemon(path: Path) -> list[str]:
         for r in seq(get(data, "results"))
     ]
     header = ["config", "(a) cold s", "(b) second window s", "(c) restart s", "PSS 1 window MiB", "PSS 3 windows MiB", "3/1", "cached after (c)"]
-    lines += table(header, rows)
+    lines += markdown(header, rows)
     targets = obj(get(data, "targets"))
     if targets:
         lines += ["", "targets: " + ", ".join(f"{k} {'ok' if v else 'MISS'}" for k, v in targets.items())]
@@ -457,7 +449,7 @@ def quality(path: Path, title: str = "") -> list[str]:
         row = [group, n[0] if len(set(n)) == 1 else " / ".join(n)]
         row += [" / ".join(show(get(p, key)) for p in per) for _, key, show in QUALITY_COLUMNS]
         rows.append(row)
-    lines += table(header, rows) + [""]
+    lines += markdown(header, rows) + [""]
     for name, row in obj(data.get("paired")).items():
         first, other = name.split(" vs ")
         parts = []
@@ -500,7 +492,7 @@ def peer(path: Path) -> list[str]:
     lines = heading(f"ember vs llama.cpp server (bench/peer.py, {path.stem})", path)
     if data is None:
         return lines + [problem, ""]
-    args = obj(get(data, "args"))
+    args = obj(get(data, "args") or get(data, "settings"))
     machine = obj(get(data, "machine"))
     others = obj(get(machine, "other_processes_during_replay"))
     runs = obj(get(data, "runs"))
@@ -526,7 +518,7 @@ def peer(path: Path) -> list[str]:
         return lines + [NO_RESULTS, ""]
     rel = obj(get(data, "ratios_to_peer_p50"))
     names = list(summary)
-    lines += table(["", *names], ([label, *(show(n, summary[n]) for n in names)] for label, show in peer_rows(rel)))
+    lines += markdown(["", *names], ([label, *(show(n, summary[n]) for n in names)] for label, show in peer_rows(rel)))
     lines += ["", "sources: gen = generated by the engine, ccache = llama.vim's client-side result cache, scache = ember's "
               "completion cache / typed-through reuse; ms measured at the client; \"generated\" rows: gen only."]
     for goal, check in obj(get(data, "goal")).items():

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -52,9 +51,9 @@ from typing import Any
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import httpx
 
-from bench.harness import RESULTS, ROOT
+from bench.harness import RESULTS, Ember, ember_command, fmt, percentile, plain, write_results
 from bench.prompt_stability import read_sources
-from bench.replay import SOURCES, Body, Editor, Record, pct, pick_bodies, type_body, wait_ready
+from bench.replay import SOURCES, Body, Editor, Record, pick_bodies, type_body
 from engine.routing import metric_sum, parse_prometheus
 
 POLICIES = ("cache_aware", "round_robin", "consistent_hash", "power_of_two", "kv_aware")
@@ -261,32 +260,26 @@ class Run:
     replay_s: float = 0.0
 
 
-async def start_ember(urls: list[str], args: argparse.Namespace, logs: Path, config: str) -> Any:
-    from lsprotocol import types
-    from pygls.lsp.client import LanguageClient
-
-    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--model", SERVED_NAME, "--log-file", str(logs / f"{config}-ember.log")]
-    for url in urls:
-        command += ["--engine-url", url]
-    client = LanguageClient("ember-router-bench", "0.1")
-    await client.start_io(*command, cwd=str(ROOT))
+async def start_ember(urls: list[str], args: argparse.Namespace, logs: Path, config: str) -> Ember:
+    remote = [flag for url in urls for flag in ("--engine-url", url)]
+    command = ember_command(SERVED_NAME, None, (), "--log-level", "INFO", "--log-file", str(logs / f"{config}-ember.log"), *remote)
     # A late answer is not a lost one: the deadline is far beyond what co-located CPU replicas need.
     options = {"maxTokens": args.max_tokens, "crossFile": False, "timeoutMs": args.timeout_ms}
-    await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options=options))
-    client.initialized(types.InitializedParams())
-    await wait_ready(client, 120)
-    return client
+    ember = Ember(command, options, name="ember-router-bench")
+    await ember.start()
+    return ember
 
 
 async def run_config(config: str, files: list[tuple[str, str, list[Body]]], args: argparse.Namespace, logs: Path) -> Run:
     run = Run(config)
     started = time.perf_counter()
     stack = await start_stack(config, args, logs)
-    client = None
+    ember = None
     try:
         for replica in stack.replicas:
             run.baseline[replica.url] = await counters(replica.url)
-        client = await start_ember(stack.engine_urls, args, logs, config)
+        ember = await start_ember(stack.engine_urls, args, logs, config)
+        client = ember.client
         run.start_s = time.perf_counter() - started
         print(f"[{config}] up in {run.start_s:.0f} s: ember -> {', '.join(stack.engine_urls)}", flush=True)
         editors = [DocumentEditor(client, f"file:///bench/router/{path}", text, config, args) for path, text, _ in files]
@@ -324,29 +317,17 @@ async def run_config(config: str, files: list[tuple[str, str, list[Body]]], args
         for replica in stack.replicas:
             if replica.url not in run.counters:
                 run.counters[replica.url] = since(await counters(replica.url), run.baseline[replica.url])
-        summary = await client.protocol.send_request_async("ember/stats", {})
-        run.engine_stats = plain(summary.engine.stats)
+        run.engine_stats = (await ember.stats())["engine"]["stats"]
         run.records = [r for e in editors for r in e.records]
     finally:
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.shutdown_async(None)
-                client.exit(None)
-                await asyncio.wait_for(client.stop(), 15)
+        if ember is not None:
+            await ember.stop()
         stack.stop()
     return run
 
 
 # ------------------------------------------------------------------------------ report
 
-
-def plain(value: Any) -> Any:
-    """pygls' named tuples as dicts and lists, for JSON."""
-    if hasattr(value, "_asdict"):
-        return {k: plain(v) for k, v in value._asdict().items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -373,8 +354,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "cached_tokens": cached,
         "cached_share": cached / prompt if prompt else None,
         "per_replica": run.counters,
-        "ttft_ms": {"p50": pct(ttft, 0.5), "p95": pct(ttft, 0.95), "n": len(ttft)},
-        "latency_ms": {"p50": pct(latency, 0.5), "p95": pct(latency, 0.95), "n": len(latency)},
+        "ttft_ms": {"p50": percentile(ttft, 0.5), "p95": percentile(ttft, 0.95), "n": len(ttft)},
+        "latency_ms": {"p50": percentile(latency, 0.5), "p95": percentile(latency, 0.95), "n": len(latency)},
         "lost": len(lost),
         "lost_after_kill": sum(1 for r in after_kill if r in lost),
         "requests_after_kill": len(after_kill),
@@ -385,10 +366,6 @@ def summarize(run: Run) -> dict[str, Any]:
         "resumed": run.engine_stats.get("resumed"),
         "retried": run.engine_stats.get("retried"),
     }
-
-
-def fmt(value: Any, spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def print_table(summaries: dict[str, dict[str, Any]]) -> None:
@@ -472,24 +449,12 @@ async def main() -> int:
         print(f"[{config}] {len(runs[config].records)} requests in {runs[config].replay_s:.0f} s", flush=True)
     summaries = {name: summarize(run) for name, run in runs.items()}
     print_table(summaries)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "args": {k: v for k, v in vars(args).items()},
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-                "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
-                "summary": summaries,
-                "engine_stats": {name: run.engine_stats for name, run in runs.items()},
-                "requests": {name: [asdict(r) for r in run.records] for name, run in runs.items()},
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    out = write_results(Path(args.out), {
+        "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
+        "summary": summaries,
+        "engine_stats": {name: run.engine_stats for name, run in runs.items()},
+        "requests": {name: [asdict(r) for r in run.records] for name, run in runs.items()},
+    }, args)  # fmt: skip
     print(f"\nwrote {out} (logs in {logs})")
     return 0
 
