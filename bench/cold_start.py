@@ -33,12 +33,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,9 +47,8 @@ from typing import Any
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import psutil
 from lsprotocol import types
-from pygls.lsp.client import LanguageClient
 
-from bench.harness import RESULTS, ROOT
+from bench.harness import RESULTS, ROOT, Ember, commit, ember_command, model_label, resolve_model, write_results
 
 SOURCE = ROOT / "tests" / "data" / "inventory.py"
 TAIL = "\n\ndef total_weight(items):\n    return "
@@ -105,51 +102,32 @@ def stages_from_log(text: str, launched: float, answered: float) -> dict[str, fl
 async def one_run(checkout: Path, engine: str, args: argparse.Namespace) -> dict[str, Any]:
     runtime = Path(tempfile.mkdtemp(prefix="ec-"))
     stderr_path = runtime / "server.stderr"
-    command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", args.daemon, "--max-tokens", str(args.max_tokens)]
-    if engine != "auto":
-        command += ["--engine", engine]
-    model = args.gguf if engine == "llamacpp" else args.model
-    if model != "bundled":
-        command += ["--model", model]
+    model = resolve_model(args.model, engine)[1]
+    command = ember_command(None if model == "bundled" else model, engine, (), "--max-tokens", str(args.max_tokens),
+                            daemon=args.daemon, log_level=None)  # fmt: skip
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "EMBER_LOG_LEVEL": "INFO"}
-    client = LanguageClient("bench-editor", "1")
+    # The server's stderr to a file: vLLM's lines are the stages.
+    ember = Ember(command, {"debounceMs": 0}, log_path=stderr_path, cwd=checkout, env=env, name="bench-editor")
     text = SOURCE.read_text() + TAIL
     lines = text.split("\n")
     position = types.Position(line=len(lines) - 1, character=len(lines[-1]))
     launched = time.time()
     try:
-        # The server's stderr to a file (vLLM's lines are the stages), not to a pipe nobody reads.
-        await client.start_io("sh", "-c", 'exec "$@" 2>"$0"', str(stderr_path), *command, cwd=str(checkout), env=env)
-        await client.initialize_async(
-            types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options={"debounceMs": 0})
-        )
-        client.initialized(types.InitializedParams())
-        document = types.TextDocumentItem(uri=URI, language_id="python", version=1, text=text)
-        client.text_document_did_open(types.DidOpenTextDocumentParams(text_document=document))
+        await ember.launch()
+        ember.open(URI, text)
         deadline = time.monotonic() + args.deadline_s
         answer = ""
         while not answer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no completion within {args.deadline_s} s")
-            params = types.InlineCompletionParams(
-                text_document=types.TextDocumentIdentifier(uri=URI),
-                position=position,
-                context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked),
-            )
-            result = await client.text_document_inline_completion_async(params)
-            answer = str(result.items[0].insert_text) if result and result.items else ""
+            answer = await ember.complete(URI, position)
             if not answer:
                 await asyncio.sleep(0.1)
         answered = time.time()
-        first = await first_answer_metrics(client)
+        first = await first_answer_metrics(ember)
         memory = pss_by_process(runtime)
-        try:
-            await asyncio.wait_for(client.shutdown_async(None), 15)
-            client.exit(None)
-        except Exception:  # noqa: BLE001 - the numbers are in; the processes are stopped below
-            pass
     finally:
-        await client.stop()
+        await ember.stop()
         stop_everything(runtime)
     logs = [stderr_path.read_text(errors="replace")]
     logs += [p.read_text(errors="replace") for p in (runtime / "ember").glob("*.log")] if (runtime / "ember").is_dir() else []
@@ -161,15 +139,14 @@ async def one_run(checkout: Path, engine: str, args: argparse.Namespace) -> dict
     return {"total_s": round(answered - launched, 2), "stages": stages, "answer": answer, "first": first, "pss_mib": memory}
 
 
-async def first_answer_metrics(client: LanguageClient) -> dict[str, Any]:
+async def first_answer_metrics(ember: Ember) -> dict[str, Any]:
     """What ember recorded for the answer (``ember/stats`` ``last``: ttft_ms, prompt_tokens, ...)."""
     try:
-        stats = await asyncio.wait_for(client.protocol.send_request_async("ember/stats", {}), 10)
+        last = (await asyncio.wait_for(ember.stats(), 10)).get("last") or {}
     except Exception:  # noqa: BLE001 - an older checkout without the request: no details
         return {}
-    last = getattr(stats, "last", None)
     keys = ("latency_ms", "ttft_ms", "engine_ms", "prompt_tokens", "cached_tokens", "streamed_tokens")
-    return {k: v for k, v in (last._asdict() if last is not None else {}).items() if k in keys}
+    return {k: v for k, v in last.items() if k in keys}
 
 
 def pss_by_process(runtime: Path) -> dict[str, float]:
@@ -219,12 +196,6 @@ def stop_everything(runtime: Path) -> None:
     psutil.wait_procs(found, timeout=15)
 
 
-def commit_of(checkout: Path) -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout, capture_output=True, text=True)
-    return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
 def medians(runs: list[dict[str, Any]]) -> dict[str, float | None]:
     found: dict[str, float | None] = {"total_s": round(statistics.median(r["total_s"] for r in runs), 2)}
     for stage in STAGES:
@@ -256,24 +227,12 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"{name:8} {row['total_s']:>8.2f} {cells} {row['pss_mib']:>8.0f}  {ratio}")
     print(f"(x: the total over {first}'s)" if len(summary) > 1 else "")
     out = args.out or RESULTS / f"cold-start-{args.label}-{args.daemon}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "cold_start",
-                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "command": " ".join(sys.argv),
-                "model": args.label,
-                "model_path": args.model,
-                "daemon": args.daemon,
-                "cores": os.cpu_count(),
-                "commits": {name: commit_of(path) for name, (path, _) in variants.items()},
-                "engines": {name: engine for name, (_, engine) in variants.items()},
-                "medians": summary,
-                "runs": runs,
-            },
-            indent=2,
-        )
-    )
+    write_results(out, {
+        "benchmark": "cold_start", "model": args.label, "model_path": args.model, "daemon": args.daemon,
+        "commits": {name: commit(path) for name, (path, _) in variants.items()},
+        "engines": {name: engine for name, (_, engine) in variants.items()},
+        "medians": summary, "runs": runs,
+    }, args)  # fmt: skip
     print(f"wrote {out}")
     return 0
 
@@ -282,7 +241,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--base", type=Path, action="append", help="an older checkout (a git worktree), repeatable")
-    parser.add_argument("--model", default="bundled", help="bundled, or what --model takes (qwen-coder: bench/models.py's path)")
+    parser.add_argument("--model", default="bundled", help="bundled (ember's default model without a hub), smollm2 / qwen-coder "
+                        "(bench/models.py: the GGUF for llama.cpp, the converted folder otherwise), or what ember --model takes")
     parser.add_argument("--daemon", default="auto", choices=["auto", "off"])
     parser.add_argument("--engines", default="auto", help="comma-separated: auto, vllm, llamacpp (each a variant of this checkout)")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -290,12 +250,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep-logs", type=Path, help="a folder for each run's logs")
     args = parser.parse_args()
-    args.label = Path(args.model).name if "/" in args.model else args.model
-    args.gguf = args.model
-    if args.model == "qwen-coder":
-        from bench.models import CACHE, qwen_coder, qwen_gguf
-
-        args.model, args.gguf = str(qwen_coder()), str(qwen_gguf(CACHE / "qwen-coder"))
+    args.label = model_label(args.model)
     return asyncio.run(main_async(args))
 
 

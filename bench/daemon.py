@@ -27,9 +27,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,9 +37,8 @@ from typing import Any
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import psutil
 from lsprotocol import types
-from pygls.lsp.client import LanguageClient
 
-from bench.harness import RESULTS, ROOT
+from bench.harness import RESULTS, ROOT, Ember, add_model_args, ember_command, machine, write_results
 
 SOURCE = ROOT / "tests" / "data" / "inventory.py"
 # Cursors at the ends of lines that invite code; one per measured request.
@@ -57,28 +54,21 @@ CURSOR_LINES = (
 class Window:
     def __init__(self, config: str, runtime: Path, args: argparse.Namespace) -> None:
         self.config, self.runtime, self.args = config, runtime, args
-        self.client = LanguageClient("bench-editor", "1")
+        command = ember_command(args.model, args.engine, (), "--max-tokens", str(args.max_tokens),
+                                daemon="auto" if config == "daemon" else "off")  # fmt: skip
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+        self.ember = Ember(command, {"debounceMs": 0}, env=env, name="bench-editor")
+        self.client = self.ember.client
         self.uri = "file:///bench/inventory.py"
         self.text = SOURCE.read_text()
-        self.pid: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.ember.pid
 
     async def launch(self) -> None:
-        command = [sys.executable, "-m", "lsp", "--stdio", "--daemon", "auto" if self.config == "daemon" else "off"]
-        command += ["--max-tokens", str(self.args.max_tokens), "--log-level", "WARNING"]
-        if self.args.model:
-            command += ["--model", self.args.model]
-        env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime)}
-        await self.client.start_io(*command, env=env, cwd=str(ROOT))
-        self.pid = self.client._server.pid if self.client._server else None  # noqa: SLF001 - the process we launched
-        await self.client.initialize_async(
-            types.InitializeParams(capabilities=types.ClientCapabilities(), initialization_options={"debounceMs": 0})
-        )
-        self.client.initialized(types.InitializedParams())
-        self.client.text_document_did_open(
-            types.DidOpenTextDocumentParams(
-                text_document=types.TextDocumentItem(uri=self.uri, language_id="python", version=1, text=self.text)
-            )
-        )
+        await self.ember.launch()
+        self.ember.open(self.uri, self.text)
 
     def add_cursor(self, tail: str, version: int) -> types.Position:
         """Appends ``tail`` to the document (one edit) and returns the position at its end."""
@@ -117,12 +107,7 @@ class Window:
         return last._asdict() if last is not None else {}
 
     async def close(self) -> None:
-        try:
-            await asyncio.wait_for(self.client.shutdown_async(None), 30)
-            self.client.exit(None)
-        except Exception:  # noqa: BLE001
-            pass
-        await self.client.stop()
+        await self.ember.stop()
 
 
 def ember_processes(runtime: Path, windows: list[Window]) -> list[psutil.Process]:
@@ -229,16 +214,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
     print("(in brackets: less the engine's time generating the answer)")
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="bundled", help="model for both configurations (default: the bundled SmolLM2-135M)")
+    add_model_args(parser, "bundled", engine_args=False)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--no-baseline", action="store_true", help="skip --daemon off")
     parser.add_argument("--out", type=Path, default=RESULTS / "daemon.json")
@@ -261,29 +239,11 @@ async def main() -> int:
         "cached_tokens_after_restart": (daemon["after_restart"].get("cached_tokens") or 0) > 0,
     }
     print("targets:", json.dumps(targets))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "daemon",
-                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "commit": commit(),
-                "machine": {
-                    "cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(),
-                    "memory_gib": round(psutil.virtual_memory().total / 2**30),
-                    "loadavg_before": load_before,
-                    "loadavg_after": list(os.getloadavg()),
-                    "platform": platform.platform(),
-                },
-                "model": args.model,
-                "max_tokens": args.max_tokens,
-                "results": results,
-                "targets": targets,
-            },
-            indent=2,
-        )
-    )
+    write_results(args.out, {
+        "benchmark": "daemon",
+        "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg())},
+        "model": args.model, "max_tokens": args.max_tokens, "results": results, "targets": targets,
+    }, args)  # fmt: skip
     print(f"wrote {args.out}")
     return 0 if all(targets.values()) else 1
 

@@ -74,23 +74,29 @@ def resolve_model(name: str | None, engine: str | None = None) -> tuple[str, str
     """(a label for results files, the value for ``ember --model``). ``smollm2`` and ``qwen-coder``
     are bench/models.py's: the GGUF file for ``--engine llamacpp``, else the converted folder (which
     vLLM serves); any other name goes to ``--model`` as it is; None: ember's default model."""
-    if name is None:
-        return "default", None
     if name in BENCH_MODELS:
         from bench import models
 
         if name == "smollm2":
             return name, "bundled" if engine == "llamacpp" else str(models.smollm2())
         return name, str(models.qwen_gguf(CACHE / "qwen-coder") if engine == "llamacpp" else models.qwen_coder())
-    return Path(name).name.removesuffix(".gguf"), name
+    return model_label(name), name
+
+
+def model_label(name: str | None) -> str:
+    """The name results files carry for ``--model name`` (resolving nothing)."""
+    return "default" if name is None else name if name in BENCH_MODELS else Path(name).name.removesuffix(".gguf")
 
 
 def ember_command(
-    model: str | None = None, engine: str | None = None, engine_args: Sequence[str] = (), *extra: str, daemon: str | None = "off"
+    model: str | None = None, engine: str | None = None, engine_args: Sequence[str] = (), *extra: str,
+    daemon: str | None = "off", log_level: str | None = "WARNING",
 ) -> list[str]:
-    """``python -m lsp --stdio`` with these settings (``extra``: more ember flags; ``daemon`` None:
-    ember's default, which ``$EMBER_DAEMON`` sets, as for an editor)."""
-    command = [sys.executable, "-m", "lsp", "--stdio", *(("--daemon", daemon) if daemon else ()), "--log-level", "WARNING"]
+    """``python -m lsp --stdio`` with these settings (``extra``: more ember flags). ``daemon`` and
+    ``log_level`` None: ember's defaults (``$EMBER_DAEMON``, ``$EMBER_LOG_LEVEL``), as for an editor."""
+    command = [sys.executable, "-m", "lsp", "--stdio"]
+    command += ["--daemon", daemon] if daemon else []
+    command += ["--log-level", log_level] if log_level else []
     if model:
         command += ["--model", model]
     if engine and engine != "auto":
@@ -128,6 +134,7 @@ class Ember:
         self.env = env
         self.client = LanguageClient(name, "0.1")
         self.messages: list[str] = []  # window/showMessage
+        self.process: asyncio.subprocess.Process | None = None
         self.pid: int | None = None
         self._drain: asyncio.Task[None] | None = None
         self.client.feature(types.WINDOW_SHOW_MESSAGE)(lambda params: self.messages.append(params.message))
@@ -140,7 +147,8 @@ class Ember:
         """The process started and initialized (``root``: the workspace folder); the engine loads in
         the background."""
         await self.client.start_io(*self.command, cwd=str(self.cwd), env=self.env)
-        process = self.client._server  # pygls' own field for the process it launched: read here and in stop() only
+        # pygls keeps the process it launched in a private field: read here, the one place in bench/.
+        self.process = process = self.client._server
         self.pid = process.pid if process else None
         # The server's stderr is a pipe nobody else reads: drained (to the log), or vLLM's start-up
         # logging fills it and blocks the server.
@@ -199,7 +207,7 @@ class Ember:
 
     async def stop(self) -> None:
         """shutdown/exit; then SIGTERM (ember closes its engine on it); SIGKILL as the last resort."""
-        process = self.client._server  # see launch()
+        process = self.process
         try:
             await asyncio.wait_for(self.client.shutdown_async(None), 15)
             self.client.exit(None)
@@ -217,8 +225,9 @@ class Ember:
                     continue
         with contextlib.suppress(Exception):  # the process is gone; the client's own clean-up may complain
             await asyncio.wait_for(self.client.stop(), 10)
-        if self._drain:
-            self._drain.cancel()
+        if self._drain:  # the rest of the log, once the process is gone
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._drain, 5)
 
 
 # ----------------------------------------------------------------------------------- numbers

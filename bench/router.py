@@ -262,7 +262,7 @@ class Run:
 
 async def start_ember(urls: list[str], args: argparse.Namespace, logs: Path, config: str) -> Ember:
     remote = [flag for url in urls for flag in ("--engine-url", url)]
-    command = ember_command(SERVED_NAME, None, (), "--log-level", "INFO", "--log-file", str(logs / f"{config}-ember.log"), *remote)
+    command = ember_command(SERVED_NAME, None, (), "--log-file", str(logs / f"{config}-ember.log"), *remote, log_level=None)
     # A late answer is not a lost one: the deadline is far beyond what co-located CPU replicas need.
     options = {"maxTokens": args.max_tokens, "crossFile": False, "timeoutMs": args.timeout_ms}
     ember = Ember(command, options, name="ember-router-bench")
