@@ -39,7 +39,7 @@ import psutil
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from tests.load_driver import chance, start_tcp, utf16_position, wait_ready
+from tests.load_driver import chance, plain, start_tcp, utf16_position, wait_ready
 
 __all__ = [
     "CACHE", "EVAL", "RESULTS", "ROOT", "Ember", "add_model_args", "chance", "commit", "fmt", "machine", "percentile",
@@ -107,17 +107,6 @@ def ember_command(
 
 
 # ------------------------------------------------------------------------------------ launching
-
-
-def plain(value: Any) -> Any:
-    """pygls hands results of custom requests back as namedtuples; reports want dicts."""
-    if hasattr(value, "_asdict"):
-        return {k: plain(v) for k, v in value._asdict().items()}
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 class Ember:

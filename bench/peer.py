@@ -93,7 +93,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -116,7 +116,7 @@ from bench.harness import (
     write_results,
 )  # fmt: skip
 from bench.prompt_stability import read_sources
-from bench.replay import SOURCES, Body, Editor, pick_bodies, type_body
+from bench.replay import SOURCES, Body, Editor, pick_bodies, replayed, type_body
 from context.prompt.fim import FimTemplate, choose_template
 from context.source.document import Document
 from engine.base import ModelInfo
@@ -1006,9 +1006,8 @@ async def main(argv: list[str] | None = None) -> int:
         "model": {"name": args.model, "gguf": str(model.gguf), "folder": str(model.folder), "fim_template": prompts.template.name},
         "peer": {"server": peer_label(args.peer_server), "threads": THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
                  "command": next((s.command for n, s in servers if n.startswith("peer")), None)},
-        "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
         "runs": runs, "turns": turns, "summary": summaries, "ratios_to_peer_p50": rel, "paired_with_peer": pairs, "goal": goal,
-        "requests": {name: [asdict(r) for r in recs] for name, recs in records.items()},
+        **replayed(files, records),
     }, args)  # fmt: skip
     print(f"\nwrote {out}" + (f" and {png}" if plotted else ""))
     return 0

@@ -420,6 +420,14 @@ async def replay(servers: list[Server], files: list[tuple[str, str, list[Body]]]
 # ------------------------------------------------------------------------------------ report
 
 
+def replayed(files: list[tuple[str, str, list[Body]]], records: dict[str, list[Any]]) -> dict[str, Any]:
+    """The replayed files' bodies and every request, as the results files of the replays keep them."""
+    return {
+        "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
+        "requests": {name: [asdict(r) for r in recs] for name, recs in records.items()},
+    }
+
+
 def p50_p95(values: list[float]) -> dict[str, float | None]:
     return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95)}
 
@@ -608,13 +616,7 @@ async def main() -> int:
     out = Path(args.out)
     png = out.with_suffix(".png")
     plotted = plot(records, png)
-    write_results(out, {
-        "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
-        "runs": runs,
-        "summary": summaries,
-        "targets": checks,
-        "requests": {name: [asdict(r) for r in recs] for name, recs in records.items()},
-    }, args)  # fmt: skip
+    write_results(out, {"runs": runs, "summary": summaries, "targets": checks, **replayed(files, records)}, args)
     print(f"\nwrote {out}" + (f" and {png}" if plotted else ""))
     return 0
 

@@ -44,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ import httpx
 
 from bench.harness import RESULTS, Ember, ember_command, fmt, percentile, plain, write_results
 from bench.prompt_stability import read_sources
-from bench.replay import SOURCES, Body, Editor, Record, pick_bodies, type_body
+from bench.replay import SOURCES, Body, Editor, Record, pick_bodies, replayed, type_body
 from engine.routing import metric_sum, parse_prometheus
 
 POLICIES = ("cache_aware", "round_robin", "consistent_hash", "power_of_two", "kv_aware")
@@ -450,10 +450,8 @@ async def main() -> int:
     summaries = {name: summarize(run) for name, run in runs.items()}
     print_table(summaries)
     out = write_results(Path(args.out), {
-        "files": [{"path": p, "bodies": [asdict(b) for b in bs]} for p, _, bs in files],
-        "summary": summaries,
-        "engine_stats": {name: run.engine_stats for name, run in runs.items()},
-        "requests": {name: [asdict(r) for r in run.records] for name, run in runs.items()},
+        "summary": summaries, "engine_stats": {name: run.engine_stats for name, run in runs.items()},
+        **replayed(files, {name: run.records for name, run in runs.items()}),
     }, args)  # fmt: skip
     print(f"\nwrote {out} (logs in {logs})")
     return 0

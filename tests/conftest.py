@@ -20,6 +20,8 @@ import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
+from tests.load_driver import plain
+
 # Every ember the tests start (also through editors' configs, which launch plain `ember`) serves
 # the bundled model: no test may reach for a model hub or wait on its timeout (and should one
 # still ask, the Hugging Face client answers from the cache at once instead of going online).
@@ -94,17 +96,6 @@ def client_capabilities() -> types.ClientCapabilities:
 
 async def stats(client: Any) -> dict[str, Any]:
     return plain(await client.protocol.send_request_async("ember/stats", {}))
-
-
-def plain(value: Any) -> Any:
-    """pygls hands results of custom requests back as namedtuples; tests want dicts."""
-    if hasattr(value, "_asdict"):
-        return {k: plain(v) for k, v in value._asdict().items()}
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 async def wait_ready(client: Any, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:

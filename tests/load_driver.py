@@ -9,8 +9,8 @@ incremental ``didChange`` per key, then ``textDocument/inlineCompletion``, then 
 answer, like an editor that asks on every key. Every second the resident memory of the ember
 process and the PSS of ember with all its child processes are sampled.
 
-Also here, for bench/harness.py to share rather than copy: :func:`start_tcp`, :func:`wait_ready`,
-:func:`chance` and :func:`utf16_position`.
+Also here, for tests/conftest.py and bench/harness.py to share rather than copy: :func:`start_tcp`,
+:func:`wait_ready`, :func:`plain`, :func:`chance` and :func:`utf16_position`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,17 @@ def utf16_position(text: str, offset: int) -> types.Position:
     line_start = text.rfind("\n", 0, offset) + 1
     line = text.count("\n", 0, line_start)
     return types.Position(line=line, character=len(text[line_start:offset].encode("utf-16-le")) // 2)
+
+
+def plain(value: Any) -> Any:
+    """pygls hands results of custom requests back as namedtuples; tests and reports want dicts."""
+    if hasattr(value, "_asdict"):
+        return {k: plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 async def wait_ready(client: LanguageClient, timeout_s: float = READY_TIMEOUT_S, where: str = "") -> float:
