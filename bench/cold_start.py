@@ -1,5 +1,6 @@
-"""The first completion of the day: from launching ``ember --stdio`` to the first non-empty answer,
-with no daemon running, stage by stage, this checkout beside an older one in the same run.
+"""How long does the first completion of the day take, and where does the time go? From launching
+``ember --stdio`` to the first non-empty answer, with no daemon running, stage by stage, this
+checkout beside an older one in the same run.
 
     .venv/bin/python bench/cold_start.py [--runs 5] [--base WORKTREE] [--model bundled|qwen-coder] \
         [--base ANOTHER ...] [--engines vllm,llamacpp] [--daemon auto|off] [--out bench/results/cold-start-MODEL-DAEMON.json]

@@ -1,5 +1,6 @@
-"""The confidence gate's calibration: from a quality run that showed every answer, the precision /
-coverage curve per dev set and the logistic fit that ember's ``CALIBRATIONS`` holds.
+"""Which confidence threshold hides wrong answers and keeps right ones? From a quality run that
+showed every answer: the precision / coverage curve per dev set and the logistic fit that ember's
+``CALIBRATIONS`` holds.
 
     .venv/bin/python bench/quality.py --model qwen-coder --limit 400 --concurrency 8 --min-confidence 0 \\
         --out bench/results/quality-confidence-qwen-coder.json

@@ -1,4 +1,5 @@
-"""Cross-file completion through the real LSP server, each package laid out as the workspace.
+"""Does cross-file context (open tabs, the workspace index) make completions more exact? Measured
+through the real LSP server, each package laid out as the workspace.
 
     .venv/bin/python bench/crossfile.py --model qwen-coder --base ../wt-base
     .venv/bin/python bench/crossfile.py --model smollm2 --limit 1 --configs current@base,tab@base,current,tab --base ../wt-base

@@ -1,4 +1,4 @@
-"""What the per-user daemon buys an editor: time to the first completion and memory, per window.
+"""What does the per-user daemon buy an editor window? Time to the first completion and memory, per window.
 
     .venv/bin/python bench/daemon.py [--model M] [--max-tokens 16] [--no-baseline] [--out FILE]
 

@@ -1,4 +1,4 @@
-"""The main job end to end: start `ember --stdio`, open a real file over LSP, complete at a few
+"""Does the main job work end to end? Start `ember --stdio`, open a real file over LSP, complete at a few
 cursors (inline and classic completion), and print the model used and each completion with its
 latency.
 

@@ -1,4 +1,4 @@
-"""ember against what a CPU user would run instead: llama.cpp's server driven the way llama.vim
+"""Is ember as fast as what a CPU user would run instead? llama.cpp's server driven the way llama.vim
 drives it, on the same model, in one run, through the same typing replay as bench/replay.py.
 
     .venv/bin/python bench/peer.py [--requests 40] [--model smollm2|qwen-coder] [--configs ...]

@@ -1,4 +1,4 @@
-"""How much of each prompt the engine can reuse from the previous one while the user types.
+"""How much of each prompt can the engine reuse from the previous one while the user types?
 
     .venv/bin/python bench/prompt_stability.py [--max-files N] [--points K] [--every C]
 

@@ -1,4 +1,4 @@
-"""Completion quality of ember, measured through its real LSP server over stdio.
+"""How often are ember's completions right? Measured through its real LSP server over stdio.
 
     .venv/bin/python bench/quality.py --limit 150 --strategy ast --strategy naive
     .venv/bin/python bench/quality.py --model qwen-coder --limit 100

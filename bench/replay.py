@@ -1,5 +1,5 @@
-"""Replay a developer typing through real files against the real server, with and without ember's
-speed ideas.
+"""How fast does ember answer while a developer types, and what do its ideas buy? A replay of typing
+through real files against the real server, with and without ember's speed ideas.
 
     .venv/bin/python bench/replay.py [--requests 60] [--files 3] [--bodies 2] [--max-tokens 32]
                                      [--configs ember,off] [--seed 7]

@@ -1,4 +1,5 @@
-"""ember behind vllm-router, the vLLM project's router, in front of real vLLM replicas.
+"""Behind vllm-router, does ember keep its prompts' cache hits and lose no request when a replica dies?
+ember behind the vLLM project's router, in front of real vLLM replicas.
 
     .venv/bin/python bench/router.py [--configs cache_aware,round_robin,consistent_hash,kv_aware,ember]
                                      [--replicas 2] [--files 4] [--bodies 2] [--requests 48]
