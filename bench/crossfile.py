@@ -385,10 +385,9 @@ def offline_recall(cases: list[CrossCase], repos: Path) -> dict[str, Any]:
     from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context
     from context.prompt.snippets import select_snippets
     from context.source.workspace import WorkspaceIndex
-    from lsp.completer import prompt_budget
     from lsp.config import Settings
 
-    budgets = {mode: prompt_budget(Settings(cross_file=mode), 2048).snippet_chars for mode in ("open", "workspace")}
+    budgets = {mode: Settings(cross_file=mode).budget_for(2048).snippet_chars for mode in ("open", "workspace")}
     indexes: dict[Path, WorkspaceIndex] = {}
     counts: dict[str, dict[str, int]] = defaultdict(lambda: {"cases": 0, "oracle": 0, "tab": 0, "workspace": 0})
     for case in cases:

@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,11 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bootstrap  # noqa: F401  (the checkout on sys.path)
 import httpx
 from lsprotocol import types
-from pygls.lsp.client import LanguageClient
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.harness import RESULTS, ROOT, Ember, ember_command, fmt, table, write_results
+from tests.conftest import free_port
+
 SERVED = "smol"
 
 DOCUMENT = '''"""Reading the service's settings from the environment and from INI-style files."""
@@ -137,28 +136,21 @@ def server_command(model_dir: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def start_server(model_dir: str, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+async def start_server(model_dir: str, logs: Path, label: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     # An empty compile cache, as on the fresh machine where the issue was seen (a warm one in
     # /tmp/torchinductor_$USER makes the first request with log-probabilities 2 s, not 14 s).
-    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=log_path.parent)
+    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=logs)
+    log_path = logs / f"{label}-vllm.log"
     with log_path.open("wb") as out:
         proc = subprocess.Popen(server_command(model_dir, port), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(timeout=2.0) as client:
         for _ in range(600):
             if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited:\n{log_path.read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(f"vLLM exited; see {log_path}")
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get(f"{url}/health")).status_code == 200:
                     return proc, url
@@ -172,62 +164,42 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=30)
 
 
-async def inline_at_end(client: LanguageClient, uri: str, text: str) -> tuple[str, float, dict[str, Any]]:
-    line, character = text.count("\n"), len(text.rsplit("\n", 1)[1])
+async def request_at_end(ember: Ember, uri: str, text: str) -> dict[str, Any]:
+    """An inline completion at the end of ``text``: its time, text and what ember/stats says of it."""
     started = time.perf_counter()
-    answer = await client.text_document_inline_completion_async(
-        types.InlineCompletionParams(
-            text_document=types.TextDocumentIdentifier(uri=uri),
-            position=types.Position(line=line, character=character),
-            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
-        )
-    )
+    completion = await ember.complete(uri, types.Position(line=text.count("\n"), character=len(text.rsplit("\n", 1)[1])), invoked=False)
     ms = (time.perf_counter() - started) * 1000
-    stats = await client.protocol.send_request_async("ember/stats", {"uri": uri})
-    last = stats.last_for_uri._asdict() if stats.last_for_uri else {}
-    completion = answer.items[0].insert_text if answer and answer.items else ""
-    return str(completion), ms, {k: last.get(k) for k in ("outcome", "why_empty", "ttft_ms", "prompt_tokens", "cached_tokens", "confidence")}
+    last = (await ember.stats(uri))["last_for_uri"] or {}
+    keys = ("outcome", "why_empty", "ttft_ms", "prompt_tokens", "cached_tokens", "confidence")
+    return {"ms": ms, "text": completion, **{key: last.get(key) for key in keys}}
 
 
 async def one_run(label: str, tree: Path, model_dir: str, logs: Path) -> dict[str, Any]:
-    proc, url = await start_server(model_dir, logs / f"{label}-vllm.log")
-    client = LanguageClient("ember-first-request", "0.1")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    launched = time.perf_counter()
+    """A fresh server, ember from ``tree`` on it: ready, the first request, a one-word edit, the second."""
+    proc, url = await start_server(model_dir, logs, label)
+    command = ember_command(SERVED, None, (), "--engine-url", f"{url}/v1", log_level="INFO")
+    ember = Ember(command, log_path=logs / f"{label}-ember.log", cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
     try:
-        await client.start_io(
-            sys.executable, "-m", "lsp", "--stdio", "--daemon", "off", "--engine-url", f"{url}/v1", "--model", SERVED,
-            "--log-file", str(logs / f"{label}-ember.log"), cwd=str(tree), env=env,
-        )
-        await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities()))
-        client.initialized(types.InitializedParams())
-        while not (await client.protocol.send_request_async("ember/stats", {})).engine.ready:
-            await asyncio.sleep(0.2)
-        ready_s = time.perf_counter() - launched
+        ready_s = await ember.start()
         uri = "file:///project/service_settings.py"
-        client.text_document_did_open(
-            types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=uri, language_id="python", version=1, text=DOCUMENT))
-        )
-        first = await inline_at_end(client, uri, DOCUMENT)
-        edited = DOCUMENT.replace('"""Reading the', '"""Parsing the', 1)
-        client.text_document_did_change(
+        ember.open(uri, DOCUMENT)
+        first = await request_at_end(ember, uri, DOCUMENT)
+        edited = DOCUMENT.replace("return settings\n\n\ndef load", "return settings\n\n\ndef read", 1)
+        ember.client.text_document_did_change(
             types.DidChangeTextDocumentParams(
                 text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=2),
                 content_changes=[types.TextDocumentContentChangeWholeDocument(text=edited)],
             )
         )
-        second = await inline_at_end(client, uri, edited)
-        await client.shutdown_async(None)
-        client.exit(None)
+        second = await request_at_end(ember, uri, edited)
     finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(client.stop(), 15)
+        await ember.stop()
         stop_server(proc)
-    return {"ember": label, "ready_s": ready_s, "requests": [{"ms": ms, "text": text, **stats} for text, ms, stats in (first, second)]}
+    return {"ember": label, "ready_s": ready_s, "requests": [first, second]}
 
 
 def worktree(rev: str) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="ember-before-"))
+    path = Path(tempfile.mkdtemp(prefix="ember-rev-"))
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True, capture_output=True)
     return path
 
@@ -236,35 +208,28 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--revs", help="run ember at these commits (comma-separated; temporary worktrees) instead of this checkout")
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "first-request.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "first-request.json")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     from engine.models import resolve_bundled
 
     model_dir = resolve_bundled().path
     logs = Path(tempfile.mkdtemp(prefix="ember-first-request-"))
     revs = args.revs.split(",") if args.revs else []
     trees = [(rev, worktree(rev)) for rev in revs] or [("checkout", ROOT)]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    rows = []
+    runs = []
     try:
         for run in range(args.runs):
             for label, tree in trees:
-                row = await one_run(label, tree, model_dir, logs)
-                row["run"] = run
-                rows.append(row)
-                for i, request in enumerate(row["requests"]):
-                    print(
-                        f"{label:>20} run {run} ready {row['ready_s']:5.1f} s, request {i + 1}: {request['ms']:7.0f} ms  {request['outcome']!s:>8}  "
-                        f"{request['text'][:40]!r}  {request.get('why_empty') or ''}"
-                    )
+                runs.append({"run": run, **await one_run(label, tree, model_dir, logs)})
     finally:
-        for rev, tree in trees[: len(revs)]:
+        for _, tree in trees[: len(revs)]:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
-            shutil.rmtree(tree, ignore_errors=True)
-    Path(args.out).write_text(
-        json.dumps({"commit": commit, "machine": platform.processor() or platform.machine(), "model": "SmolLM2-135M (bundled, bf16)", "runs": rows}, indent=2)
-    )
+    rows = [
+        [row["ember"], row["run"], i + 1, fmt(row["ready_s"], ".1f"), fmt(request["ms"]), request["outcome"], repr(request["text"][:32]), request["why_empty"] or ""]
+        for row in runs for i, request in enumerate(row["requests"])
+    ]  # fmt: skip
+    print(table(["ember", "run", "request", "ready s", "ms", "outcome", "text", "why_empty"], rows, right_from=1))
+    write_results(args.out, {"model": "SmolLM2-135M (bundled, bf16 on vLLM-CPU)", "runs": runs}, args)
     print(f"wrote {args.out} (logs in {logs})")
     return 0
 

@@ -88,7 +88,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -117,6 +116,7 @@ from bench.harness import (
 )  # fmt: skip
 from bench.prompt_stability import read_sources
 from bench.replay import SOURCES, Body, Editor, pick_bodies, replayed, type_body
+from tests.conftest import free_port
 from context.prompt.fim import FimTemplate, choose_template
 from context.source.document import Document
 from engine.base import ModelInfo
@@ -334,12 +334,6 @@ class PeerServer:
     process: subprocess.Popen[bytes]
     command: list[str]
     log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def start_llamacpp(label: str, model: Model, kind: str = "llama-server") -> PeerServer:

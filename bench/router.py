@@ -53,6 +53,7 @@ import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import httpx
 
 from bench.harness import RESULTS, Ember, ember_command, fmt, percentile, plain, write_results
+from tests.conftest import free_port
 from bench.prompt_stability import read_sources
 from bench.replay import SOURCES, Body, Editor, Record, pick_bodies, replayed, type_body
 from engine.routing import metric_sum, parse_prometheus
@@ -60,14 +61,6 @@ from engine.routing import metric_sum, parse_prometheus
 POLICIES = ("cache_aware", "round_robin", "consistent_hash", "power_of_two", "kv_aware")
 SERVED_NAME = "ember-model"
 LOST = ("error", "loading")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------ the processes

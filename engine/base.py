@@ -1,14 +1,15 @@
 """What every engine offers: an abortable async stream of text for a prompt.
 
-``lsp`` talks to engines only through :class:`Engine`; the embedded vLLM engine and the remote
-OpenAI-compatible client both implement it.
+``lsp`` talks to engines only through :class:`Engine`, and reads nothing of an engine that the
+protocol does not declare; embedded vLLM, embedded llama.cpp and the remote OpenAI-compatible
+client implement it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class EngineError(RuntimeError):
@@ -70,8 +71,19 @@ class Tokenizer(Protocol):
 class Engine(Protocol):
     """An abortable source of completions."""
 
+    # The arguments the engine runs with (vLLM's AsyncEngineArgs, llama-server's flags; {} for a
+    # remote server), and why the user's were not applied (None when they were).
+    engine_args: dict[str, Any]
+    warning: str | None
+
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def dead(self) -> bool:
+        """The engine's process ended (killed, crashed): a new engine must be started. A remote
+        engine never is: its replicas are probed back in."""
+        ...
 
     @property
     def model(self) -> ModelInfo: ...
@@ -94,3 +106,7 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def close(self) -> None: ...
+
+    def engine_stats(self) -> dict[str, Any]:
+        """What ``ember/stats`` and Prometheus show of the engine (its process, replicas, router)."""
+        ...

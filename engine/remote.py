@@ -240,6 +240,8 @@ class RemoteEngine:
         self._monitor: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.vllm = False  # the servers are vLLM's (/v1/models: owned_by "vllm")
+        self.engine_args: dict[str, Any] = {}  # the servers were started with their own
+        self.warning: str | None = None
         self._logprobs_warmups: dict[str, asyncio.Task[None]] = {}  # replica url -> its warm-up
 
     # -- Engine protocol -------------------------------------------------------------------------
@@ -247,6 +249,10 @@ class RemoteEngine:
     @property
     def ready(self) -> bool:
         return self._model is not None and self._client is not None
+
+    @property
+    def dead(self) -> bool:
+        return False  # a replica that fails is taken out and probed back in
 
     @property
     def model(self) -> ModelInfo:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from cachetools import LRUCache
 
 from context.cut.confidence import CALIBRATIONS, Calibration, TokenTrace, Verdict, judge
-from context.prompt.builder import TEMPLATE_RESERVE_TOKENS, Prompt, PromptBudget
+from context.prompt.builder import Prompt
 from context.prompt.fim import FimTemplate, choose_template
 from context.prompt.site import CompletionSite, site_at
 from context.prompt.snippets import NO_CROSS_FILE, CrossFile
@@ -336,7 +336,7 @@ class Completer:
 
     def _prompt(self, engine: Engine, site: CompletionSite, settings: Settings, chosen: Strategy) -> Prompt:
         template = self.template_for(engine, settings.fim_template)
-        return chosen.prompt(site, template, engine.tokenizer, prompt_budget(settings, engine.model.max_model_len))
+        return chosen.prompt(site, template, engine.tokenizer, settings.budget_for(engine.model.max_model_len))
 
     async def warm(self, doc: Document, offset: int, settings: Settings, cross_file: CrossFile = NO_CROSS_FILE) -> bool:
         """Prefill the stable part of the prompt at ``offset`` (one output token) so the next real
@@ -486,32 +486,6 @@ class Completer:
         if typed is None or not suggestion.text.startswith(typed) or len(typed) >= len(suggestion.text):
             return None
         return Answer(suggestion.text[len(typed) :], suggestion.confidence)
-
-
-# The cross-file budget with crossFile "workspace", as a share of the context (512 tokens at
-# 2048): retrieval ranks what it packs, so more room holds more of what the cursor needs (on the
-# cross-file dev set 512 tokens did better than 256). It takes only room the other parts leave
-# free, so the current file's window is the same with or without it; "open" keeps its old share.
-WORKSPACE_SNIPPET_SHARE = 1 / 4
-
-
-def prompt_budget(settings: Settings, max_model_len: int) -> PromptBudget:
-    """The prompt's token budgets for a model with ``max_model_len`` tokens of context: the user's
-    contextTokens/suffixTokens/crossFileTokens where set, shares of the context otherwise
-    (1024/256 at 2048, and for the cross-file context 512 from the workspace, 256 from open tabs)."""
-    budget = PromptBudget.for_model(
-        max_model_len,
-        settings.max_tokens,
-        prefix_tokens=settings.context_tokens,
-        suffix_tokens=settings.suffix_tokens,
-        snippet_tokens=settings.cross_file_tokens,
-    )
-    if settings.cross_file_tokens is not None or settings.cross_file != "workspace":
-        return budget
-    room = max_model_len - settings.max_tokens - TEMPLATE_RESERVE_TOKENS
-    free = room - (budget.prefix_tokens + budget.suffix_tokens + budget.header_tokens + budget.snippet_tokens)
-    wanted = int(max_model_len * WORKSPACE_SNIPPET_SHARE)
-    return dataclasses.replace(budget, snippet_tokens=max(budget.snippet_tokens, min(wanted, budget.snippet_tokens + free)))
 
 
 def why_empty(verdict: Verdict, this: Running, metrics: RequestMetrics, timeout_ms: int) -> str:

@@ -11,7 +11,10 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from context.prompt.builder import PromptBudget
 
 
 class ConfigError(ValueError):
@@ -76,9 +79,31 @@ class Settings:
     # repetition; None: the model family's calibrated default (0 for a model without one).
     min_confidence: float | None = None
 
+    def budget_for(self, max_model_len: int) -> PromptBudget:
+        """The prompt's token budgets for a model with ``max_model_len`` tokens of context."""
+        from context.prompt.builder import PromptBudget  # not on the stdio forwarder's way: 20 ms of its start
+
+        return PromptBudget.for_model(
+            max_model_len,
+            self.max_tokens,
+            prefix_tokens=self.context_tokens,
+            suffix_tokens=self.suffix_tokens,
+            snippet_tokens=self.cross_file_tokens,
+            workspace=self.cross_file == "workspace",
+        )
+
     def engine_arg_dict(self) -> dict[str, Any]:
         """The engine arguments as vLLM takes them."""
         return {key: json.loads(text) for key, text in self.engine_args}
+
+
+# The settings read once, when the engine starts: camelCase name -> field.
+STARTUP_SETTINGS = {"model": "model", "engine": "engine", "engineUrl": "engine_url", "engineArgs": "engine_args"}
+
+
+def startup_changes(old: Settings, new: Settings) -> list[str]:
+    """The start-up settings (camelCase) whose values differ between ``old`` and ``new``."""
+    return [name for name, key in STARTUP_SETTINGS.items() if getattr(old, key) != getattr(new, key)]
 
 
 # key -> (type, lower bound, upper bound)

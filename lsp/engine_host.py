@@ -73,12 +73,12 @@ class EmberCore:
     @property
     def ready(self) -> bool:
         """The engine is up and answering (a dead one is not ready; :meth:`check_engine` replaces it)."""
-        return self.engine is not None and self.engine.ready and not getattr(self.engine, "dead", False)
+        return self.engine is not None and self.engine.ready and not self.engine.dead
 
     def check_engine(self) -> bool:
         """Whether the engine is ready; a dead engine is replaced in the background (see
         :meth:`restart_engine`), so the request path calls this rather than reading :attr:`ready`."""
-        if self.engine is not None and getattr(self.engine, "dead", False):
+        if self.engine is not None and self.engine.dead:
             self.restart_engine()
             return False
         return self.ready
@@ -130,7 +130,7 @@ class EmberCore:
             await engine.start()
             self.engine = engine
             self.engine_error = None
-            notes = (remote_engine_args_note(settings), getattr(engine, "warning", None))
+            notes = (remote_engine_args_note(settings), engine.warning)
             self.engine_warning = "; ".join(note for note in notes if note) or None
         except Exception as exc:  # noqa: BLE001 - the reason reaches the editor through progress and messages
             self.engine_error = str(exc)

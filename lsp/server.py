@@ -21,7 +21,7 @@ from pygls.exceptions import JsonRpcInvalidParams
 
 from context.source.document import Document
 from lsp.completion_items import completion_item, word_before
-from lsp.config import ConfigError, merge_settings
+from lsp.config import ConfigError, merge_settings, startup_changes
 from lsp.engine_host import EmberCore
 from lsp.progress import report_loading
 from lsp.session import EmberServer
@@ -31,7 +31,6 @@ from lsp.workspaces import folder_paths, uri_path
 log = logging.getLogger(__name__)
 
 # Settings that only take effect when the engine starts (setting name -> Settings field).
-STARTUP_SETTINGS = {"model": "model", "engine": "engine", "engineUrl": "engine_url", "engineArgs": "engine_args"}
 WARMUP_PAUSE_S = 0.4
 
 
@@ -59,7 +58,7 @@ async def initialized(ls: EmberServer, params: types.InitializedParams) -> None:
     """Starts loading the model and shows its progress."""
     core = ls.core
     core.start_engine(ls.settings)
-    ignored = [name for name, key in STARTUP_SETTINGS.items() if getattr(ls.settings, key) != getattr(core.engine_settings, key)]
+    ignored = startup_changes(core.engine_settings, ls.settings)
     if ignored:
         # A shared engine (TCP server, daemon) was started before this editor connected.
         ls.notify_user(
@@ -163,7 +162,7 @@ def did_change_configuration(ls: EmberServer, params: types.DidChangeConfigurati
     except ConfigError as exc:
         ls.notify_user(str(exc))
         return
-    if any(getattr(new, key) != getattr(ls.settings, key) for key in STARTUP_SETTINGS.values()) and ls.core.engine is not None:
+    if startup_changes(ls.settings, new) and ls.core.engine is not None:
         ls.notify_user("changing model, engineUrl or engineArgs takes effect after restarting ember", types.MessageType.Warning)
     ls.settings = new
 

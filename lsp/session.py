@@ -23,7 +23,7 @@ from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_
 from context.prompt.snippets import CrossFile, Snippet, select_snippets
 from context.source.document import Document, PositionError, utf16_position
 from lsp import VERSION
-from lsp.completer import WHY_LOADING, Completion, prompt_budget
+from lsp.completer import WHY_LOADING, Completion
 from lsp.engine_host import EmberCore, close_and_exit
 from lsp.metrics import RequestMetrics
 from lsp.protocol import EmberProtocol, UnknownDocument, stop_reading
@@ -178,7 +178,7 @@ class EmberServer(LanguageServer):
 
     def snippet_chars(self) -> int:
         engine = self.core.engine
-        return prompt_budget(self.settings, engine.model.max_model_len if engine else DEFAULT_MAX_MODEL_LEN).snippet_chars
+        return self.settings.budget_for(engine.model.max_model_len if engine else DEFAULT_MAX_MODEL_LEN).snippet_chars
 
     async def cross_file(self, doc: Document, offset: int) -> CrossFile:
         """Context from other files for the cursor: from the workspace folder holding the document

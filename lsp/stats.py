@@ -9,7 +9,6 @@ from typing import Any
 
 import psutil
 
-from lsp.completer import prompt_budget
 from lsp.config import Settings
 from lsp.engine_host import EmberCore
 from lsp.session import EmberServer
@@ -53,17 +52,15 @@ def engine_state(ls: EmberServer) -> dict[str, Any]:
         "kind": core.engine_choice.kind if core.engine_choice else None,
         "why": core.engine_choice.reason if core.engine_choice else None,
     }
-    engine_args = getattr(engine, "engine_args", None)
-    if isinstance(engine_args, dict):
-        state["engine_args"] = engine_args
-    engine_stats = getattr(core.engine, "engine_stats", None)
-    if callable(engine_stats):
-        state["stats"] = engine_stats()
+    if engine is not None:
+        state["engine_args"] = engine.engine_args
+    if core.engine is not None:
+        state["stats"] = core.engine.engine_stats()
     return state
 
 
 def budget_stats(settings: Settings, max_model_len: int) -> dict[str, int]:
-    budget = prompt_budget(settings, max_model_len)
+    budget = settings.budget_for(max_model_len)
     return {
         "context_tokens": budget.prefix_tokens,
         "suffix_tokens": budget.suffix_tokens,

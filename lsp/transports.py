@@ -27,8 +27,7 @@ async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
         try:
             request = await asyncio.wait_for(reader.readline(), 5)
             ok = request.split(b" ")[1:2] == [b"/metrics"]
-            engine_stats = getattr(core.engine, "engine_stats", None)
-            engine = engine_stats() if callable(engine_stats) else None
+            engine = core.engine.engine_stats() if core.engine is not None else None
             body = prometheus_text(core.metrics, engine).encode() if ok else b"not found\n"
             status = b"200 OK" if ok else b"404 Not Found"
             writer.write(

@@ -129,6 +129,8 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.calls: list[StreamCall] = []
         self.is_ready = True
+        self.engine_args: dict[str, object] = {}
+        self.warning: str | None = None
         self._handed = 0  # calls already returned by next_call
         self._called = asyncio.Event()
 
@@ -137,8 +139,15 @@ class ScriptedEngine:
         return self.is_ready
 
     @property
+    def dead(self) -> bool:
+        return False
+
+    @property
     def model(self) -> ModelInfo:
         return ModelInfo("scripted-coder", max_model_len=2048, special_tokens=FIM_TOKENS)
+
+    def engine_stats(self) -> dict[str, object]:
+        return {"calls": len(self.calls)}
 
     @property
     def tokenizer(self) -> ApproxCounter:

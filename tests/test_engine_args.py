@@ -19,7 +19,6 @@ from pygls.lsp.client import LanguageClient
 
 from context.prompt.builder import PromptBudget
 from engine.embedded import EmbeddedConfig, _cpu_defaults, cpu_dtype, ember_engine_args, engine_args_problem
-from lsp.completer import prompt_budget
 from lsp.config import (
     ConfigError,
     Settings,
@@ -66,19 +65,19 @@ def test_budgets_are_shares_of_max_model_len_and_explicit_settings_win() -> None
     # At 2048 tokens: exactly the budgets ember had before they followed the model (and before
     # context from the workspace, which takes only the room the other parts leave free).
     tabs = Settings(cross_file="open")
-    assert prompt_budget(tabs, 2048) == PromptBudget(prefix_tokens=1024, suffix_tokens=256, header_tokens=128, snippet_tokens=256)
-    assert prompt_budget(dataclasses.replace(tabs, max_tokens=24), 2048) == PromptBudget()
-    assert prompt_budget(Settings(), 2048) == PromptBudget(prefix_tokens=1024, suffix_tokens=256, header_tokens=128, snippet_tokens=512)
-    assert prompt_budget(Settings(), 1024) == PromptBudget(512, 128, 64, 224)  # a quarter does not fit: what is free
-    assert prompt_budget(Settings(max_tokens=600), 2048).prefix_tokens == prompt_budget(dataclasses.replace(tabs, max_tokens=600), 2048).prefix_tokens
-    long = prompt_budget(tabs, 32768)
+    assert tabs.budget_for(2048) == PromptBudget(prefix_tokens=1024, suffix_tokens=256, header_tokens=128, snippet_tokens=256)
+    assert dataclasses.replace(tabs, max_tokens=24).budget_for(2048) == PromptBudget()
+    assert Settings().budget_for(2048) == PromptBudget(prefix_tokens=1024, suffix_tokens=256, header_tokens=128, snippet_tokens=512)
+    assert Settings().budget_for(1024) == PromptBudget(512, 128, 64, 224)  # a quarter does not fit: what is free
+    assert Settings(max_tokens=600).budget_for(2048).prefix_tokens == dataclasses.replace(tabs, max_tokens=600).budget_for(2048).prefix_tokens
+    long = tabs.budget_for(32768)
     assert (long.prefix_tokens, long.suffix_tokens, long.snippet_tokens) == (16384, 4096, 4096)
-    chosen = prompt_budget(Settings(context_tokens=300, suffix_tokens=40), 32768)
+    chosen = Settings(context_tokens=300, suffix_tokens=40).budget_for(32768)
     assert (chosen.prefix_tokens, chosen.suffix_tokens) == (300, 40)
     # Whatever the shares and settings, the prompt and the generated tokens fit the context.
     for max_model_len, settings in [(2048, Settings(max_tokens=1500)), (512, Settings()), (2048, Settings(context_tokens=4000)),
                                     (512, tabs), (2048, Settings(max_tokens=90))]:
-        budget = prompt_budget(settings, max_model_len)
+        budget = settings.budget_for(max_model_len)
         parts = budget.prefix_tokens + budget.suffix_tokens + budget.header_tokens + budget.snippet_tokens
         assert parts + settings.max_tokens <= max_model_len, (max_model_len, settings, budget)
 

@@ -398,7 +398,7 @@ async def test_prompt_budget_follows_the_max_model_len_the_server_reports() -> N
     contextTokens still wins."""
     from context.prompt.builder import PromptBudget
     from context.source.document import Document
-    from lsp.completer import Completer, prompt_budget
+    from lsp.completer import Completer
     from lsp.config import Settings
     from lsp.metrics import Metrics
 
@@ -410,8 +410,8 @@ async def test_prompt_budget_follows_the_max_model_len_the_server_reports() -> N
     async with fakes("good") as (good,), remote([good.url + "/v1"]) as engine:
         assert engine.model.max_model_len == 1024
         completer = Completer(lambda: engine, Metrics())
-        assert prompt_budget(Settings(cross_file="open"), engine.model.max_model_len) == PromptBudget(512, 128, 64, 128)
-        assert prompt_budget(Settings(), engine.model.max_model_len) == PromptBudget(512, 128, 64, 224)  # the free room
+        assert Settings(cross_file="open").budget_for(engine.model.max_model_len) == PromptBudget(512, 128, 64, 128)
+        assert Settings().budget_for(engine.model.max_model_len) == PromptBudget(512, 128, 64, 224)  # the free room
         short = completer.prompt_for(engine, doc, len(text), Settings())
         chosen = completer.prompt_for(engine, doc, len(text), Settings(context_tokens=900))
     assert engine.tokenizer.count(short.text) <= 512 + 64 + 16

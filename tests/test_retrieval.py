@@ -219,8 +219,6 @@ def test_uris_become_paths() -> None:
 
 def test_cross_file_settings() -> None:
     import pytest
-
-    from lsp.completer import prompt_budget
     from lsp.config import ConfigError, Settings, merge_settings
 
     assert Settings().cross_file == "workspace"
@@ -229,8 +227,8 @@ def test_cross_file_settings() -> None:
     assert merge_settings(Settings(), {"crossFile": "open"}).cross_file == "open"
     with pytest.raises(ConfigError, match='"off" or "open" or "workspace"'):
         merge_settings(Settings(), {"crossFile": "tabs"})
-    assert prompt_budget(Settings(), 2048).snippet_tokens == 512  # from the workspace
-    assert prompt_budget(Settings(), 2048).prefix_tokens == 1024  # with room for it at the default maxTokens
-    assert prompt_budget(merge_settings(Settings(), {"crossFile": "open"}), 2048).snippet_tokens == 256  # as before
-    assert prompt_budget(merge_settings(Settings(), {"crossFileTokens": 600}), 2048).snippet_tokens == 600
-    assert prompt_budget(merge_settings(Settings(), {"crossFileTokens": 600}), 2048).prefix_tokens < 1024  # room is shared
+    assert Settings().budget_for(2048).snippet_tokens == 512  # from the workspace
+    assert Settings().budget_for(2048).prefix_tokens == 1024  # with room for it at the default maxTokens
+    assert merge_settings(Settings(), {"crossFile": "open"}).budget_for(2048).snippet_tokens == 256  # as before
+    assert merge_settings(Settings(), {"crossFileTokens": 600}).budget_for(2048).snippet_tokens == 600
+    assert merge_settings(Settings(), {"crossFileTokens": 600}).budget_for(2048).prefix_tokens < 1024  # room is shared

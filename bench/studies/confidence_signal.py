@@ -45,7 +45,6 @@ from context.prompt.site import site_at
 from context.prompt.strategy import strategy
 from context.source.document import Document
 from engine.embedded import EmbeddedConfig, EmbeddedEngine
-from lsp.completer import prompt_budget
 from lsp.config import Settings
 
 MAX_TOKENS = 48  # bench/confidence.py's quality run's
@@ -64,7 +63,7 @@ async def one_case(engine: EmbeddedEngine, case: Any, index: int, template: Any,
     doc = Document(case_uri(case, "signal", index), case.language, case.prefix + case.suffix, 1)
     site = site_at(doc, len(case.prefix))
     chosen = strategy("ast", "syntax")
-    prompt = chosen.prompt(site, template, engine.tokenizer, prompt_budget(Settings(), engine.model.max_model_len))
+    prompt = chosen.prompt(site, template, engine.tokenizer, Settings().budget_for(engine.model.max_model_len))
     cutter = chosen.cutter(site, prompt)
     sampling = SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, stop=list(prompt.stop) or None, logprobs=2,

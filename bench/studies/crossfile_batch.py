@@ -7,7 +7,7 @@ bench/crossfile.py scores the server's answers. For choosing a variant; the serv
         [--variants off,tab,workspace,oracle] [--out bench/results/crossfile-batch.json]
 
 The path per case and variant is the completer's: ``site_at`` -> ``strategy("ast", "syntax")`` ->
-the prompt with the engine's tokenizer and ``prompt_budget`` for the variant's crossFile mode at
+the prompt with the engine's tokenizer and ``Settings.budget_for`` for the variant's crossFile mode at
 the engine's ``max_model_len`` -> ``engine.stream`` fed through the strategy's cutter until it
 stops. Requests run concurrently (``--parallel``) so vLLM batches them; the answers are the same
 text a lone request gets, up to float32 rounding.
@@ -51,7 +51,6 @@ from context.source.document import Document
 from context.source.workspace import WorkspaceIndex
 from engine.base import GenerationParams
 from engine.embedded import EmbeddedConfig, EmbeddedEngine
-from lsp.completer import prompt_budget
 from lsp.config import Settings
 
 MAX_TOKENS = 48  # bench/crossfile.py's maxTokens
@@ -70,7 +69,7 @@ class CaseView:
 
     def chars(self, mode: str) -> int:
         """The cross-file block's characters for ``mode`` (see :func:`settings_for`)."""
-        return prompt_budget(settings_for(mode), self.max_model_len).snippet_chars
+        return settings_for(mode).budget_for(self.max_model_len).snippet_chars
 
     @property
     def path(self) -> Path:
@@ -401,7 +400,7 @@ async def run_one(
     doc = Document(c.path.as_uri(), "python", c.text, 1)
     site = site_at(doc, c.offset, cross)
     chosen = strategy("ast", "syntax")
-    budget = prompt_budget(settings_for(mode), engine.model.max_model_len)
+    budget = settings_for(mode).budget_for(engine.model.max_model_len)
     prompt = chosen.prompt(site, template, engine.tokenizer, budget)
     cutter = chosen.cutter(site, prompt)
     params = GenerationParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=prompt.stop)

@@ -4,7 +4,7 @@ the code before a restructuring), and diffs them text for text.
 
 Each checkout runs the same worker in its own process (its own ``context`` and ``lsp`` on
 ``sys.path``), through the request path's own steps: ``site_at`` -> ``strategy(...)`` -> the
-strategy's prompt (ember's ``prompt_budget`` at 2048 tokens, ember's character-based token estimate)
+strategy's prompt (ember's ``Settings.budget_for`` at 2048 tokens, ember's character-based token estimate)
 -> the strategy's cutter fed in small chunks, as a stream arrives. Per case and configuration it
 records the prompt's text and prefix key and, for each of a few model texts (the author's middle
 running on into the suffix, ending in a control token, or in chat), where the cutter stopped, its
@@ -61,7 +61,6 @@ except ImportError:
     from context.window import ApproxCounter
     from context.snippets import NO_CROSS_FILE, CrossFile, select_snippets
     from context.retrieval import Cursor, OpenFile, WorkspaceView, workspace_context
-from lsp.completer import prompt_budget
 from lsp.config import Settings
 
 job = json.load(sys.stdin)
@@ -71,7 +70,14 @@ ENDINGS = ["<suffix>", "<|endoftext|>", "\n\n```\nThis function returns it.\n"]
 STRATEGIES = {"ast+syntax:qwen": ("ast", "syntax", "qwen2.5-coder"),
               "ast+syntax:prefix-only": ("ast", "syntax", "prefix-only"),
               "naive+plain:qwen": ("naive", "plain", "qwen2.5-coder")}
-budgets = {mode: prompt_budget(Settings(cross_file=mode), 2048) for mode in ("off", "open", "workspace")}
+def budget(mode):
+    settings = Settings(cross_file=mode)
+    if hasattr(settings, "budget_for"):
+        return settings.budget_for(2048)
+    from lsp.completer import prompt_budget  # checkouts before the budget moved to context/prompt
+    return prompt_budget(settings, 2048)
+
+budgets = {mode: budget(mode) for mode in ("off", "open", "workspace")}
 
 def answers(site, prompt, chosen, middle, suffix):
     result = []

@@ -114,6 +114,13 @@ TEMPLATE_RESERVE_TOKENS = 32
 MIN_PREFIX_TOKENS = 16
 
 
+# The cross-file budget with crossFile "workspace", as a share of the context (512 tokens at
+# 2048): retrieval ranks what it packs, so more room holds more of what the cursor needs (on the
+# cross-file dev set 512 tokens did better than 256). It takes only room the other parts leave
+# free, so the current file's window is the same with or without it; "open" keeps its old share.
+WORKSPACE_SNIPPET_SHARE = 1 / 4
+
+
 @dataclass(frozen=True)
 class PromptBudget:
     prefix_tokens: int = 1024
@@ -133,11 +140,15 @@ class PromptBudget:
         prefix_tokens: int | None = None,
         suffix_tokens: int | None = None,
         snippet_tokens: int | None = None,
+        workspace: bool = False,
     ) -> PromptBudget:
         """Budgets as shares of ``max_model_len``, except those given (the user's settings win),
         shrunk so that the prompt plus ``max_tokens`` generated tokens fits the model's context:
         the derived parts give way first, explicit ones only when they alone do not fit (the
-        engine would reject every request otherwise)."""
+        engine would reject every request otherwise). ``workspace``: the cross-file context
+        comes from the workspace (crossFile "workspace"), whose derived budget is larger
+        (:data:`WORKSPACE_SNIPPET_SHARE`). 1024/256 at 2048, and 512 from the workspace, 256
+        from open tabs."""
         derived = {
             "prefix_tokens": int(max_model_len * PREFIX_SHARE),
             "suffix_tokens": int(max_model_len * SUFFIX_SHARE),
@@ -157,6 +168,11 @@ class PromptBudget:
             scale = room / sum(parts.values())
             parts = {name: int(value * scale) for name, value in parts.items()}
         parts["prefix_tokens"] = max(MIN_PREFIX_TOKENS, parts["prefix_tokens"])
+        if workspace and snippet_tokens is None:
+            # Only room the other parts leave free: the current file's window stays the same.
+            free_room = max_model_len - max_tokens - TEMPLATE_RESERVE_TOKENS - sum(parts.values())
+            wanted = int(max_model_len * WORKSPACE_SNIPPET_SHARE)
+            parts["snippet_tokens"] = max(parts["snippet_tokens"], min(wanted, parts["snippet_tokens"] + free_room))
         return cls(**parts)
 
     @property
