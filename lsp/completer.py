@@ -34,7 +34,6 @@ from lsp.metrics import Metrics, RequestMetrics
 log = logging.getLogger(__name__)
 
 _REUSE_CONTEXT = 256
-DocKey = tuple[Hashable, str]  # (editor session, uri): two TCP sessions may open the same uri
 
 
 @dataclass
@@ -58,11 +57,11 @@ class Cursor:
         return text[self.offset : offset]
 
 
-@dataclass
+@dataclass(eq=False)
 class Running:
     """A generation in flight for one document."""
 
-    key: DocKey
+    state: DocumentState
     cursor: Cursor
     cutter: Cutter
     cache_key: str  # where the final text goes in the completion cache
@@ -116,9 +115,34 @@ WHY_SUPERSEDED = "a newer request for this document replaced it"
 
 
 @dataclass
-class _Typing:
+class Typing:
     last_request: float = 0.0
     interval_ms: float | None = None  # moving average of the time between requests
+
+
+@dataclass(eq=False)
+class DocumentState:
+    """Everything ember keeps for one document one editor session has open: the document, the
+    last suggestion (typed-through reuse), the generation in flight, the typing rate, the warm-up
+    waiting for a pause, and the context retrieved from other files. Two sessions that open the
+    same uri have a state each. :meth:`stop` ends its work (shutdown), :meth:`close` forgets it too."""
+
+    document: Document
+    suggestion: tuple[Cursor, Answer] | None = None
+    running: Running | None = None
+    typing: Typing = field(default_factory=Typing)
+    warmup: asyncio.Task[None] | None = None
+    retrieved: tuple[Hashable, CrossFile] | None = None  # (what it was retrieved for, the context)
+    retrieving: asyncio.Task[CrossFile] | None = None
+
+    def stop(self) -> None:
+        for task in (self.running.task if self.running else None, self.warmup, self.retrieving):
+            if task is not None:
+                task.cancel()
+
+    def close(self) -> None:
+        self.stop()
+        self.suggestion = self.running = self.warmup = self.retrieved = self.retrieving = None
 
 
 @dataclass
@@ -127,9 +151,7 @@ class Completer:
     metrics: Metrics
     cache_bytes: int = 8 << 20
     cache: LRUCache[str, Answer] = field(init=False)
-    _suggestions: LRUCache[DocKey, tuple[Cursor, Answer]] = field(init=False)
-    _running: dict[DocKey, Running] = field(init=False, default_factory=dict)
-    _typing: LRUCache[DocKey, _Typing] = field(init=False)
+    _active: set[Running] = field(init=False, default_factory=set)  # generations in flight, every document's
     _template: tuple[str, FimTemplate] | None = field(init=False, default=None)
     _warming: set[asyncio.Task[None]] = field(init=False, default_factory=set)  # warm-up prefills in flight
     _warm_turn: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
@@ -137,26 +159,13 @@ class Completer:
     def __post_init__(self) -> None:
         # Bounded in bytes; each entry costs its text plus a fixed overhead, so entries are bounded too.
         self.cache = LRUCache(maxsize=self.cache_bytes, getsizeof=lambda answer: len(answer.text) + 256)
-        self._suggestions = LRUCache(maxsize=1024)
-        self._typing = LRUCache(maxsize=1024)
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def forget(self, key: DocKey) -> None:
-        self._suggestions.pop(key, None)
-        self._typing.pop(key, None)
-        running = self._running.pop(key, None)
-        if running is not None:
-            running.task.cancel()
-
-    def cancel_all(self, session: Hashable) -> None:
-        for key in [k for k in self._running if k[0] == session]:
-            self._running.pop(key).task.cancel()
-
     @property
     def busy(self) -> bool:
-        return any(not r.task.done() for r in self._running.values())
+        return any(not running.task.done() for running in self._active)
 
     def template_for(self, engine: Engine, override: str | None) -> FimTemplate:
         key = f"{engine.model.name}|{override}"
@@ -164,11 +173,10 @@ class Completer:
             self._template = (key, choose_template(engine.model.special_tokens, engine.model.name, override))
         return self._template[1]
 
-    def debounce_s(self, key: DocKey, settings: Settings) -> float:
+    def debounce_s(self, typing: Typing, settings: Settings) -> float:
         """How long to wait before generating: up to ``debounce_ms``, shorter when the user types
         slower than that (a pause is the signal, not a fixed timer)."""
         now = time.monotonic()
-        typing = self._typing.setdefault(key, _Typing())
         if typing.last_request:
             gap_ms = (now - typing.last_request) * 1000
             if gap_ms < 2000:
@@ -184,8 +192,7 @@ class Completer:
 
     async def complete(
         self,
-        key: DocKey,
-        doc: Document,
+        state: DocumentState,
         offset: int,
         settings: Settings,
         *,
@@ -196,18 +203,19 @@ class Completer:
         raise: the reason is in ``metrics.outcome`` and the log). Cancelling the caller's task
         cancels the generation (and the engine-side request) unless another request attached to it."""
         started = time.perf_counter()
-        metrics = RequestMetrics(uri=key[1])
+        doc = state.document
+        metrics = RequestMetrics(uri=doc.uri)
         text = doc.text
-        running = self._running.get(key)
+        running = state.running
 
         if settings.reuse:
-            reused = await self._reuse(key, running, text, offset, metrics)
+            reused = await self._reuse(state, running, text, offset, metrics)
             if reused is not None:
-                return self._done(key, Cursor.at(text, offset), reused, metrics, started)
+                return self._done(state, Cursor.at(text, offset), reused, metrics, started)
         if running is not None:
             running.task.cancel()  # superseded by this request
 
-        delay = self.debounce_s(key, settings)
+        delay = self.debounce_s(state.typing, settings)
         if delay:
             await asyncio.sleep(delay)  # a newer request cancels this one meanwhile
 
@@ -227,16 +235,18 @@ class Completer:
         if cached is not None:
             metrics.cache_hit = True
             metrics.confidence, metrics.why_empty = cached.confidence, cached.why_empty
-            return self._done(key, Cursor.at(text, offset), cached.text, metrics, started)
+            return self._done(state, Cursor.at(text, offset), cached.text, metrics, started)
 
         calibration = CALIBRATIONS.get(self.template_for(engine, settings.fim_template).name)
         this = Running(
-            key, Cursor.at(text, offset), chosen.cutter(site, prompt), cache_key, calibration,
+            state, Cursor.at(text, offset), chosen.cutter(site, prompt), cache_key, calibration,
             min_confidence_for(settings, calibration), on_text,
         )
         self._stop_warmups()
         this.task = asyncio.ensure_future(self._generate(engine, prompt, this, settings, metrics, started))
-        self._running[key] = this
+        state.running = this
+        self._active.add(this)
+        this.task.add_done_callback(lambda _: self._active.discard(this))
         early_s = settings.early_answer_ms / 1000 if site.mode == "multi" and settings.early_answer_ms > 0 else None
         return await self._answer(this, early_s, metrics, started)
 
@@ -255,7 +265,7 @@ class Completer:
                     this.on_text(shown)
                 answered = dataclasses.replace(metrics)  # the generation keeps updating ``metrics``
                 answered.engine_ms = (time.perf_counter() - generation_started) * 1000
-                return self._done(this.key, this.cursor, shown, answered, started)
+                return self._done(this.state, this.cursor, shown, answered, started)
             generated = this.task.result()
         except asyncio.CancelledError:
             current = asyncio.current_task()
@@ -266,22 +276,24 @@ class Completer:
             metrics.outcome, metrics.why_empty = "superseded", WHY_SUPERSEDED
             return Completion("", metrics.finish(started))
         finally:
-            if not detached and self._running.get(this.key) is this:
-                del self._running[this.key]
+            if not detached and this.state.running is this:
+                this.state.running = None
         if not generated:
             return Completion("", metrics.finish(started))
         final = this.text()
         self._cache(this, final)
-        return self._done(this.key, this.cursor, final, metrics, started)
+        return self._done(this.state, this.cursor, final, metrics, started)
 
     def _cache(self, this: Running, final: str) -> None:
         if not this.cut_by_deadline:  # the next request may find the engine faster
             self.cache[this.cache_key] = Answer(final, this.confidence, this.why_empty)
 
-    async def _reuse(self, key: DocKey, running: Running | None, text: str, offset: int, metrics: RequestMetrics) -> str | None:
+    async def _reuse(
+        self, state: DocumentState, running: Running | None, text: str, offset: int, metrics: RequestMetrics
+    ) -> str | None:
         """An answer without a new generation: the rest of the last suggestion when the user typed
         its beginning, or of the generation in flight when the user typed what it is producing."""
-        reused = self._typed_through(key, text, offset)
+        reused = self._typed_through(state, text, offset)
         if reused is not None:
             metrics.cache_hit = True
             metrics.confidence = reused.confidence
@@ -316,16 +328,16 @@ class Completer:
     def _finish_late(self, this: Running, shown: str) -> None:
         """The generation behind an early answer ended: cache its full text, and let the shown
         suggestion grow to it unless a newer one replaced it."""
-        key = this.key
-        if self._running.get(key) is this:
-            del self._running[key]
+        state = this.state
+        if state.running is this:
+            state.running = None
         if this.task.cancelled() or this.task.exception() is not None or not this.task.result():
             return
         final = this.text()
         self._cache(this, final)
-        last = self._suggestions.get(key)
+        last = state.suggestion
         if last is not None and last[1].text == shown and final.startswith(shown):
-            self._suggestions[key] = (last[0], Answer(final, this.confidence))
+            state.suggestion = (last[0], Answer(final, this.confidence))
 
     def prompt_for(
         self, engine: Engine, doc: Document, offset: int, settings: Settings, cross_file: CrossFile = NO_CROSS_FILE
@@ -465,9 +477,9 @@ class Completer:
             # Closing the stream aborts the engine-side request when we stopped early.
             await stream.aclose()
 
-    def _done(self, key: DocKey, cursor: Cursor, completion: str, metrics: RequestMetrics, started: float) -> Completion:
+    def _done(self, state: DocumentState, cursor: Cursor, completion: str, metrics: RequestMetrics, started: float) -> Completion:
         if completion:
-            self._suggestions[key] = (cursor, Answer(completion, metrics.confidence))
+            state.suggestion = (cursor, Answer(completion, metrics.confidence))
         elif metrics.outcome == "ok":
             metrics.outcome = "empty"
         metrics.finish(started)
@@ -475,10 +487,10 @@ class Completer:
         log.debug("completion metrics %s", metrics.as_dict())
         return Completion(completion, metrics)
 
-    def _typed_through(self, key: DocKey, text: str, offset: int) -> Answer | None:
+    def _typed_through(self, state: DocumentState, text: str, offset: int) -> Answer | None:
         """The rest of the last suggestion when the user has typed its beginning (with the
         suggestion's confidence)."""
-        last = self._suggestions.get(key)
+        last = state.suggestion
         if last is None:
             return None
         cursor, suggestion = last

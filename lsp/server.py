@@ -114,16 +114,17 @@ def shutdown(ls: EmberServer, params: Any) -> None:
 def did_open(ls: EmberServer, params: types.DidOpenTextDocumentParams) -> None:
     """ember keeps the document (not pygls' workspace) and warms the engine up for it."""
     item = params.text_document
-    doc = ls.documents[item.uri] = Document(item.uri, item.language_id, item.text, item.version)
-    ls.schedule_warmup(doc, len(doc.text), delay_s=0.0)
+    state = ls.open_document(Document(item.uri, item.language_id, item.text, item.version))
+    ls.schedule_warmup(state, len(item.text), delay_s=0.0)
 
 
 def did_change(ls: EmberServer, params: types.DidChangeTextDocumentParams) -> None:
     """Applies the changes in the order received; a warm-up follows a pause after the last edit."""
-    doc = ls.documents.get(params.text_document.uri)
-    if doc is None:
+    state = ls.open.get(params.text_document.uri)
+    if state is None:
         log.warning("didChange for unknown document %s ignored", params.text_document.uri)
         return
+    doc = state.document
     if params.text_document.version <= doc.version:
         # Changes arrive in order over one connection, so they still describe the editor's
         # text: apply them (dropping them would leave ember out of sync for good).
@@ -142,14 +143,12 @@ def did_change(ls: EmberServer, params: types.DidChangeTextDocumentParams) -> No
     if isinstance(last, types.TextDocumentContentChangePartial):
         start = ls.to_utf16(doc, last.range.start.line, last.range.start.character)
         typed_end = doc.offset_at(*start, clamp=True) + len(last.text)
-        ls.schedule_warmup(doc, min(typed_end, len(doc.text)), delay_s=WARMUP_PAUSE_S)
+        ls.schedule_warmup(state, min(typed_end, len(doc.text)), delay_s=WARMUP_PAUSE_S)
 
 
 def did_close(ls: EmberServer, params: types.DidCloseTextDocumentParams) -> None:
-    """Forgets the document and what the completer kept for it."""
-    ls.documents.pop(params.text_document.uri, None)
-    ls.forget_context(params.text_document.uri)
-    ls.core.completer.forget((id(ls), params.text_document.uri))
+    """Forgets the document and everything kept for it."""
+    ls.close_document(params.text_document.uri)
 
 
 def did_change_configuration(ls: EmberServer, params: types.DidChangeConfigurationParams) -> None:

@@ -23,7 +23,7 @@ from context.prompt.retrieval import Cursor, OpenFile, WorkspaceView, retrieval_
 from context.prompt.snippets import CrossFile, Snippet, select_snippets
 from context.source.document import Document, PositionError, utf16_position
 from lsp import VERSION
-from lsp.completer import WHY_LOADING, Completion
+from lsp.completer import WHY_LOADING, Completion, DocumentState
 from lsp.engine_host import EmberCore, close_and_exit
 from lsp.metrics import RequestMetrics
 from lsp.protocol import EmberProtocol, UnknownDocument, stop_reading
@@ -86,23 +86,36 @@ class EmberServer(LanguageServer):
         self.core = core
         self.settings = core.settings
         self.rate_limit = RateLimit(core.settings.max_requests_per_second, tokens=core.settings.max_requests_per_second)
-        self.documents: dict[str, Document] = {}
+        self.open: dict[str, DocumentState] = {}  # uri -> the document and what ember keeps for it
         self.required_token = token
         self.exit_process = exit_process
         self.authorized = token is None
-        self._warmups: dict[str, asyncio.Task[Any]] = {}
         self._snippets: tuple[Any, tuple[Snippet, ...]] = (None, ())
         self.folders = SessionFolders(core.indexes)
-        self._retrieved: dict[str, tuple[Any, CrossFile]] = {}  # uri -> (key, context)
-        self._retrieving: dict[str, asyncio.Task[CrossFile]] = {}
         self.exit_task: asyncio.Task[None] | None = None
         self._messages_shown: set[str] = set()
 
+    @property
+    def documents(self) -> dict[str, Document]:
+        """The open documents by uri."""
+        return {uri: state.document for uri, state in self.open.items()}
+
+    def open_document(self, doc: Document) -> DocumentState:
+        """A document the editor opened (again: what was kept for the old text is dropped)."""
+        self.close_document(doc.uri)
+        state = self.open[doc.uri] = DocumentState(doc)
+        return state
+
+    def close_document(self, uri: str) -> None:
+        """Forgets the document and everything kept for it; its work in flight stops."""
+        state = self.open.pop(uri, None)
+        if state is not None:
+            state.close()
+
     def cancel_work(self) -> None:
-        """Stops this session's generations and warm-ups (shutdown); the session still reads exit."""
-        self.core.completer.cancel_all(id(self))
-        for task in self._warmups.values():
-            task.cancel()
+        """Stops this session's generations, warm-ups and retrievals (shutdown); the session still reads exit."""
+        for state in self.open.values():
+            state.stop()
 
     def on_exit(self) -> None:
         self.cancel_work()
@@ -143,10 +156,13 @@ class EmberServer(LanguageServer):
     # ------------------------------------------------------------------ documents and positions
 
     def document(self, uri: str) -> Document:
-        doc = self.documents.get(uri)
-        if doc is None:
+        return self.state(uri).document
+
+    def state(self, uri: str) -> DocumentState:
+        state = self.open.get(uri)
+        if state is None:
             raise UnknownDocument(f"unknown document {uri!r}: it was not opened with textDocument/didOpen")
-        return doc
+        return state
 
     def to_utf16(self, doc: Document, line: int, character: int) -> tuple[int, int]:
         """Positions arrive in the negotiated encoding; documents count UTF-16 units."""
@@ -160,29 +176,31 @@ class EmberServer(LanguageServer):
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"{doc.uri}: {exc}") from exc
 
-    def schedule_warmup(self, doc: Document, offset: int, delay_s: float) -> None:
+    def schedule_warmup(self, state: DocumentState, offset: int, delay_s: float) -> None:
         """After a pause in typing (no further change for ``delay_s``), prefill the stable part of
         the prompt at the last edit so the next request only prefills its tail."""
-        previous = self._warmups.pop(doc.uri, None)
-        if previous is not None:
-            previous.cancel()
+        if state.warmup is not None:
+            state.warmup.cancel()
+            state.warmup = None
         if not self.settings.warmup:
             return
 
         async def later() -> None:
             await asyncio.sleep(delay_s)
-            if self.core.check_engine() and self.documents.get(doc.uri) is doc:
-                await self.core.completer.warm(doc, offset, self.settings, await self.cross_file(doc, offset))
+            if self.core.check_engine():
+                doc = state.document
+                await self.core.completer.warm(doc, offset, self.settings, await self.cross_file(state, offset))
 
-        self._warmups[doc.uri] = asyncio.ensure_future(later())
+        state.warmup = asyncio.ensure_future(later())
 
     def snippet_chars(self) -> int:
         engine = self.core.engine
         return self.settings.budget_for(engine.model.max_model_len if engine else DEFAULT_MAX_MODEL_LEN).snippet_chars
 
-    async def cross_file(self, doc: Document, offset: int) -> CrossFile:
+    async def cross_file(self, state: DocumentState, offset: int) -> CrossFile:
         """Context from other files for the cursor: from the workspace folder holding the document
         (crossFile "workspace"), else from the other open documents."""
+        doc = state.document
         if self.settings.cross_file == "off":
             return CrossFile()
         path = uri_path(doc.uri)
@@ -190,22 +208,23 @@ class EmberServer(LanguageServer):
         if path is None or index is None:
             return CrossFile(self.other_files(doc))
         max_chars = self.snippet_chars()
-        others = tuple((uri, d.version) for uri, d in self.documents.items() if uri != doc.uri)
+        others = tuple((uri, other.document.version) for uri, other in self.open.items() if uri != doc.uri)
         key = (import_lines(doc.text), retrieval_key(doc.text, offset), others, index.generation, max_chars,
                int(time.monotonic() // RETRIEVAL_TTL_S))
-        kept = self._retrieved.get(doc.uri)
+        kept = state.retrieved
         if kept is not None and kept[0] == key:
             return kept[1]
-        task = self._retrieving.get(doc.uri)
+        task = state.retrieving
         if task is None or task.done():
-            task = self._retrieving[doc.uri] = asyncio.ensure_future(self._retrieve(doc, offset, path, index, key, max_chars))
+            task = state.retrieving = asyncio.ensure_future(self._retrieve(state, offset, path, index, key, max_chars))
         done, _ = await asyncio.wait({task}, timeout=RETRIEVAL_WAIT_S if kept is not None else FIRST_RETRIEVAL_WAIT_S)
         if task in done and not task.cancelled() and task.exception() is None:
             return task.result()
         return kept[1] if kept is not None else CrossFile()
 
-    async def _retrieve(self, doc: Document, offset: int, path: str, index: Any, key: Any, max_chars: int) -> CrossFile:
+    async def _retrieve(self, state: DocumentState, offset: int, path: str, index: Any, key: Any, max_chars: int) -> CrossFile:
         """Retrieval in a worker thread (it reads and parses files), remembered under ``key``."""
+        doc = state.document
         open_files = {p: OpenFile(d.text, d.language_id) for p, d in self._open_paths()}
         cursor = Cursor(path, doc.text, offset, doc.language_id)
         try:
@@ -213,15 +232,8 @@ class EmberServer(LanguageServer):
         except Exception:  # context is a help: a failure costs it, not the completion (logged)
             log.exception("workspace context for %s failed", doc.uri)
             found = CrossFile()
-        self._retrieved[doc.uri] = (key, found)
+        state.retrieved = (key, found)
         return found
-
-    def forget_context(self, uri: str) -> None:
-        """Drops what was retrieved for a closed document."""
-        self._retrieved.pop(uri, None)
-        task = self._retrieving.pop(uri, None)
-        if task is not None:
-            task.cancel()
 
     def _open_paths(self) -> list[tuple[str, Document]]:
         found = []
@@ -252,7 +264,8 @@ class EmberServer(LanguageServer):
         """Generated text for the cursor, with its metrics (its confidence); a newer request for the
         same document supersedes this one (which then answers "") unless it continues what this one
         is generating."""
-        doc = self.document(uri)
+        state = self.state(uri)
+        doc = state.document
         offset = self.offset_of(doc, position)
         self.rate_limit.rate = self.settings.max_requests_per_second
         if not self.rate_limit.allow():
@@ -274,7 +287,7 @@ class EmberServer(LanguageServer):
             why = f"the engine is not available: {self.core.engine_error}" if self.core.engine_error else WHY_LOADING
             return Completion("", RequestMetrics(outcome="loading", uri=uri, why_empty=why))
         result = await self.core.completer.complete(
-            (id(self), uri), doc, offset, self.settings, cross_file=await self.cross_file(doc, offset), on_text=on_text
+            state, offset, self.settings, cross_file=await self.cross_file(state, offset), on_text=on_text
         )
         if result.metrics.outcome == "error":
             self.notify_user("the engine failed to generate; see the log", types.MessageType.Warning)

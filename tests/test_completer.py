@@ -29,12 +29,11 @@ from context.cut.confidence import Calibration
 from context.prompt.window import ApproxCounter
 from context.source.document import Document
 from engine.base import Chunk, Engine, EngineError, GenerationParams, ModelInfo
-from lsp.completer import Completer, Completion
+from lsp.completer import Completer, Completion, DocumentState
 from lsp.config import Settings
 from lsp.metrics import Metrics, prometheus_text
 
 WAIT_S = 2.0  # a wait that takes longer is a bug (the test fails instead of hanging)
-SESSION = "editor-1"
 # Qwen2.5-Coder's FIM tokens: choose_template picks a real FIM template for the scripted model.
 FIM_TOKENS = frozenset({"<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>"})
 SETTINGS = Settings(debounce_ms=0, early_answer_ms=0)
@@ -191,16 +190,29 @@ def engine() -> ScriptedEngine:
     return ScriptedEngine()
 
 
+@dataclass
+class EditorCompleter(Completer):
+    """The completer with one editor session's open documents (an EmberServer's ``open``)."""
+
+    states: dict[str, DocumentState] = field(default_factory=dict)
+
+    def state(self, doc: Document) -> DocumentState:
+        """The document's state, its text now ``doc``'s (the editor typed)."""
+        state = self.states.setdefault(doc.uri, DocumentState(doc))
+        state.document = doc
+        return state
+
+
 @pytest.fixture
-def completer(engine: ScriptedEngine) -> Completer:
-    return Completer(lambda: engine, Metrics())
+def completer(engine: ScriptedEngine) -> EditorCompleter:
+    return EditorCompleter(lambda: engine, Metrics())
 
 
 def start(
-    completer: Completer, text: str, offset: int, settings: Settings = SETTINGS, uri: str = "file:///shapes.py"
+    completer: EditorCompleter, text: str, offset: int, settings: Settings = SETTINGS, uri: str = "file:///shapes.py"
 ) -> asyncio.Task[Completion]:
-    doc = Document(uri, "python", text)
-    return asyncio.create_task(completer.complete((SESSION, uri), doc, offset, settings))
+    state = completer.state(Document(uri, "python", text))
+    return asyncio.create_task(completer.complete(state, offset, settings))
 
 
 def typed(text: str, offset: int, typing: str) -> tuple[str, int]:
@@ -217,7 +229,7 @@ def test_scripted_engine_is_an_engine(engine: ScriptedEngine) -> None:
     assert isinstance(engine, Engine)
 
 
-async def test_completion_streams_from_a_fim_prompt(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_completion_streams_from_a_fim_prompt(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     task = start(completer, AREA, AREA_CURSOR)
     call = await engine.next_call()
     assert call.prompt.startswith("<|fim_prefix|>") and call.prompt.endswith("<|fim_middle|>")
@@ -231,7 +243,7 @@ async def test_completion_streams_from_a_fim_prompt(completer: Completer, engine
     assert call.closed and not call.cancelled  # closed early, which aborts the engine-side request
 
 
-async def test_a_block_complete_at_the_token_limit_keeps_its_last_line(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_a_block_complete_at_the_token_limit_keeps_its_last_line(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     """The chunk that hits the token limit may also complete the block (the cutter stops on it):
     the text is then whole, and its last line is not dropped as cut short."""
     text = "def total(xs):\n    t = 0\n    \n"
@@ -244,7 +256,7 @@ async def test_a_block_complete_at_the_token_limit_keeps_its_last_line(completer
     assert done.metrics.mode == "multi" and not done.metrics.truncated
 
 
-async def test_request_at_another_cursor_supersedes(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_request_at_another_cursor_supersedes(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     first = start(completer, SHAPES, AREA_CURSOR)
     first_call = await engine.next_call()
     await first_call.send(" *")
@@ -265,7 +277,7 @@ async def test_request_at_another_cursor_supersedes(completer: Completer, engine
     assert not second_call.aborted
 
 
-async def test_typing_what_is_generated_attaches(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_typing_what_is_generated_attaches(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     first = start(completer, AREA, AREA_CURSOR)
     call = await engine.next_call()
     await call.send(" *")
@@ -285,7 +297,7 @@ async def test_typing_what_is_generated_attaches(completer: Completer, engine: S
     assert len(engine.calls) == 1
 
 
-async def test_typing_something_else_does_not_attach(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_typing_something_else_does_not_attach(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     first = start(completer, AREA, AREA_CURSOR)
     first_call = await engine.next_call()
     await first_call.send(" *")
@@ -301,7 +313,7 @@ async def test_typing_something_else_does_not_attach(completer: Completer, engin
     assert (await result(second)).text == " height"
 
 
-async def test_cancel_request_stops_the_generation(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_cancel_request_stops_the_generation(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     task = start(completer, AREA, AREA_CURSOR)
     call = await engine.next_call()
     await call.send(" *")
@@ -315,7 +327,7 @@ async def test_cancel_request_stops_the_generation(completer: Completer, engine:
 
 
 async def test_cancel_request_spares_a_generation_someone_attached_to(
-    completer: Completer, engine: ScriptedEngine
+    completer: EditorCompleter, engine: ScriptedEngine
 ) -> None:
     first = start(completer, AREA, AREA_CURSOR)
     call = await engine.next_call()
@@ -338,7 +350,7 @@ async def test_cancel_request_spares_a_generation_someone_attached_to(
     assert len(engine.calls) == 1
 
 
-async def test_early_answer_waits_for_its_time(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_early_answer_waits_for_its_time(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     early_ms = 150
     settings = dataclasses.replace(SETTINGS, early_answer_ms=early_ms)
     task = start(completer, TOTAL, TOTAL_CURSOR, settings)
@@ -354,7 +366,7 @@ async def test_early_answer_waits_for_its_time(completer: Completer, engine: Scr
 
 
 async def test_early_answer_shows_complete_lines_and_the_rest_follows(
-    completer: Completer, engine: ScriptedEngine
+    completer: EditorCompleter, engine: ScriptedEngine
 ) -> None:
     early_ms = 50
     settings = dataclasses.replace(SETTINGS, early_answer_ms=early_ms)
@@ -383,7 +395,7 @@ async def test_early_answer_shows_complete_lines_and_the_rest_follows(
     assert len(engine.calls) == 1
 
 
-async def test_typing_through_a_suggestion_reuses_its_rest(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_typing_through_a_suggestion_reuses_its_rest(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     first = start(completer, AREA, AREA_CURSOR)
     call = await engine.next_call()
     await call.send(" * height")
@@ -397,19 +409,19 @@ async def test_typing_through_a_suggestion_reuses_its_rest(completer: Completer,
     assert len(engine.calls) == 1
 
 
-async def test_engine_not_ready_answers_loading(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_engine_not_ready_answers_loading(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     engine.is_ready = False
     loading = await result(start(completer, AREA, AREA_CURSOR))
     assert loading.text == "" and loading.metrics.outcome == "loading"
     assert loading.metrics.why_empty == "the model is still loading"
     assert engine.calls == []
 
-    no_engine = Completer(lambda: None, Metrics())
+    no_engine = EditorCompleter(lambda: None, Metrics())
     assert (await result(start(no_engine, AREA, AREA_CURSOR))).metrics.outcome == "loading"
 
 
 async def test_engine_error_mid_stream_then_the_next_request_is_served(
-    completer: Completer, engine: ScriptedEngine
+    completer: EditorCompleter, engine: ScriptedEngine
 ) -> None:
     failing = start(completer, AREA, AREA_CURSOR)
     call = await engine.next_call()
@@ -427,7 +439,7 @@ async def test_engine_error_mid_stream_then_the_next_request_is_served(
     assert served.text == " * height" and served.metrics.outcome == "ok"
 
 
-async def test_every_empty_answer_says_why(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_every_empty_answer_says_why(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     """The deadline with nothing generated and the cutter's steps reach ``why_empty`` (the
     engine's trouble and the confidence gate: the tests above); an answer with text has none."""
     late = await asyncio.gather(result(start(completer, AREA, AREA_CURSOR, dataclasses.replace(SETTINGS, timeout_ms=100))),
@@ -450,7 +462,7 @@ async def test_every_empty_answer_says_why(completer: Completer, engine: Scripte
 
 
 
-async def test_two_documents_generate_at_once(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_two_documents_generate_at_once(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     area = start(completer, AREA, AREA_CURSOR, uri="file:///area.py")
     area_call = await engine.next_call()
     shapes = start(completer, SHAPES, PERIMETER_CURSOR, uri="file:///shapes.py")
@@ -477,12 +489,12 @@ def module(name: str) -> str:
     return "".join(f"def {name}_{i}(width, height):\n    return width * height + {i}\n\n\n" for i in range(8))
 
 
-def warm(completer: Completer, uri: str) -> asyncio.Task[bool]:
+def warm(completer: EditorCompleter, uri: str) -> asyncio.Task[bool]:
     doc = Document(uri, "python", module(uri.rsplit("/", 1)[-1][:-3]))
     return asyncio.create_task(completer.warm(doc, len(doc.text), SETTINGS))
 
 
-async def test_a_completion_stops_the_warm_up_in_flight(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_a_completion_stops_the_warm_up_in_flight(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     """A prefill for a document just opened must not stand between the user and the first answer."""
     warming = warm(completer, "file:///opened.py")
     warm_call = await engine.next_call()
@@ -499,7 +511,7 @@ async def test_a_completion_stops_the_warm_up_in_flight(completer: Completer, en
     assert (await result(task)).text == " * height"
 
 
-async def test_warm_ups_take_turns_and_none_starts_beside_a_completion(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_warm_ups_take_turns_and_none_starts_beside_a_completion(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     first = warm(completer, "file:///first.py")
     second = warm(completer, "file:///second.py")
     first_call = await engine.next_call()
@@ -524,7 +536,7 @@ async def test_warm_ups_take_turns_and_none_starts_beside_a_completion(completer
     assert (await result(task)).text == " * height"
 
 
-async def test_cancelling_a_warm_up_cancels_its_caller(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_cancelling_a_warm_up_cancels_its_caller(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     """An edit replaces the document's pending warm-up: that cancellation is the caller's own and
     must not be taken for a warm-up that gave way."""
     warming = warm(completer, "file:///edited.py")
@@ -540,7 +552,7 @@ async def test_cancelling_a_warm_up_cancels_its_caller(completer: Completer, eng
 # (its pure functions: test_confidence.py)
 
 
-async def test_logprobs_reach_the_gate_and_a_hidden_answer_is_cached(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_logprobs_reach_the_gate_and_a_hidden_answer_is_cached(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     settings = dataclasses.replace(SETTINGS, min_confidence=0.5)
     task = start(completer, AREA, AREA_CURSOR, settings)
     call = await engine.next_call()
@@ -568,7 +580,7 @@ async def test_logprobs_reach_the_gate_and_a_hidden_answer_is_cached(completer: 
 
 
 async def test_a_calibrated_model_shortens_a_block(
-    completer: Completer, engine: ScriptedEngine, monkeypatch: pytest.MonkeyPatch
+    completer: EditorCompleter, engine: ScriptedEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(confidence.CALIBRATIONS, "qwen2.5-coder", CALIBRATION)  # the scripted model's template
     task = start(completer, TOTAL, TOTAL_CURSOR)
@@ -583,12 +595,12 @@ async def test_a_calibrated_model_shortens_a_block(
     assert done.metrics.shown == "shortened" and done.metrics.confidence == pytest.approx(CALIBRATION.probability([SURE, SURE]))
 
 
-async def test_the_streamed_preview_is_gated_too(completer: Completer, engine: ScriptedEngine) -> None:
+async def test_the_streamed_preview_is_gated_too(completer: EditorCompleter, engine: ScriptedEngine) -> None:
     uri = "file:///total.py"
     previews: list[str] = []
     settings = dataclasses.replace(SETTINGS, min_confidence=0.5)
-    doc = Document(uri, "python", TOTAL)
-    task = asyncio.create_task(completer.complete(("editor-1", uri), doc, TOTAL_CURSOR, settings, on_text=previews.append))
+    state = completer.state(Document(uri, "python", TOTAL))
+    task = asyncio.create_task(completer.complete(state, TOTAL_CURSOR, settings, on_text=previews.append))
     call = await engine.next_call()
     await call.send("total = 0\n", logprobs=(SURE,))
     await call.send("    for item in items:\n", logprobs=(SURE,))
@@ -597,3 +609,61 @@ async def test_the_streamed_preview_is_gated_too(completer: Completer, engine: S
     assert previews[-1] == ""  # no longer: the preview goes
     await call.end()
     assert (await result(task)).text == ""
+
+
+# ------------------------------------------------------------------------------ one state per document
+
+
+async def test_closing_a_document_or_shutting_down_leaves_nothing_behind(engine: ScriptedEngine) -> None:
+    """A session keeps one state per open document (suggestion, generation, typing, warm-up,
+    retrieval): didClose is one call that stops and forgets all of it, shutdown one that stops
+    every document's work; two sessions that open the same uri keep their own."""
+    from lsprotocol import types
+
+    from lsp.engine_host import EmberCore
+    from lsp.server import build_server, did_close, did_open, shutdown
+    from tests.test_pygls_fence import INITIALIZE, Sink, feed
+
+    core = EmberCore(Settings(debounce_ms=0, early_answer_ms=0, cross_file="open"), lambda settings, progress: engine)
+    await core.start_engine()
+    first, second = build_server(core, exit_process=False), build_server(core, exit_process=False)
+    for ls in (first, second):
+        ls.protocol.set_writer(Sink())
+        feed(ls, INITIALIZE)
+
+    def opened(ls: object, uri: str) -> None:
+        did_open(ls, types.DidOpenTextDocumentParams(types.TextDocumentItem(uri=uri, language_id="python", version=1, text=AREA)))  # type: ignore[arg-type]
+
+    position = types.Position(line=1, character=len("    return width"))
+    opened(first, "file:///area.py")
+    opened(second, "file:///area.py")
+    state = first.open["file:///area.py"]
+    assert state is not second.open["file:///area.py"]
+    assert state.warmup is not None  # the open's warm-up, waiting for the engine to be free
+    asking = asyncio.create_task(first.complete("file:///area.py", position))
+    call = await engine.next_call()
+    while call.params.warm_up:  # the warm-up reached the engine first: the completion stops it
+        call = await engine.next_call()
+    await call.send(" *")
+    assert state.running is not None and core.completer.busy
+
+    did_close(first, types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri="file:///area.py")))
+    assert first.open == {} and "file:///area.py" in second.open
+    await call.wait_finished()
+    assert call.aborted and state.warmup is None and state.running is None and state.suggestion is None
+    assert (await result(asking)).text == ""
+    await settle()
+    assert not core.completer.busy
+
+    opened(first, "file:///shapes.py")
+    asking = asyncio.create_task(first.complete("file:///shapes.py", position))
+    call = await engine.next_call()
+    while call.params.warm_up:
+        call = await engine.next_call()
+    shutdown(first, None)
+    await call.wait_finished()
+    assert call.aborted
+    await asyncio.gather(asking, return_exceptions=True)
+    await settle()
+    assert not core.completer.busy
+    assert all(task is None or task.done() for s in first.open.values() for task in (s.warmup, s.retrieving))
