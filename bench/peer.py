@@ -453,7 +453,7 @@ class PromptSource:
     def __init__(self, model: Model, max_tokens: int) -> None:
         from transformers import AutoTokenizer
 
-        from engine.embedded import HFTokenizer
+        from engine.token_counts import HFTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(model.folder))
         vocab = self.hf.get_vocab()

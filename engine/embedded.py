@@ -22,6 +22,7 @@ from typing import Any
 
 from engine import core_fork
 from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo
+from engine.token_counts import HFTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -191,25 +192,12 @@ def _first_lines(exc: BaseException, lines: int = 4) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-class HFTokenizer:
-    """Counts tokens with the model's own tokenizer (for prompt budgets)."""
-
-    def __init__(self, tokenizer: Any) -> None:  # transformers tokenizer: untyped on purpose
-        self._tok = tokenizer
-
-    def count(self, text: str) -> int:
-        return len(self._tok.encode(text, add_special_tokens=False))
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-
 class EmbeddedEngine:
     """AsyncLLM with prefix caching; one process-wide instance serves every editor session."""
 
     def __init__(self, config: EmbeddedConfig, on_stage: Callable[[str], None] | None = None) -> None:
         self.config = config
-        self.on_stage = on_stage  # told "importing", then "starting" (engine.models.LoadState's stages)
+        self.on_stage = on_stage  # told "importing", then "starting" (engine.loading.LoadState's stages)
         self._llm = None
         self._tokenizer: HFTokenizer | None = None
         self._model: ModelInfo | None = None

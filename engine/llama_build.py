@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.models import default_cache_dir
+from engine.loading import default_cache_dir
 
 # The sdist carries llama.cpp at 0c1e57098 (tools/server included).
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"

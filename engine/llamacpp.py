@@ -43,9 +43,11 @@ from typing import Any
 import httpx
 
 from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo
+from engine.gguf import gguf_tokenizer
 from engine.llama_build import server_binary
-from engine.models import default_cache_dir, gguf_key
 from engine.remote import RemoteEngine
+from engine.routing import RemoteConfig
+from engine.token_counts import TokenizersTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -151,46 +153,6 @@ class SlotTable:
             self._held.pop(slot, None)
         else:
             self._held[slot] = text
-
-
-class TokenizersTokenizer:
-    """Counts tokens with the model's own tokenizer (the ``tokenizers`` library, no transformers)."""
-
-    def __init__(self, tokenizer: Any) -> None:  # tokenizers.Tokenizer
-        self._tok = tokenizer
-
-    def count(self, text: str) -> int:
-        return len(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def vocabulary(self) -> dict[str, int]:
-        return dict(self._tok.get_vocab())
-
-
-def gguf_tokenizer(gguf: Path, cache_dir: Path | None = None) -> TokenizersTokenizer:
-    """The GGUF file's tokenizer, written once as ``tokenizer.json`` into the cache (transformers
-    reads it from the GGUF metadata in ~10 s; the ``tokenizers`` library loads the JSON in ~0.2 s).
-    Blocking: run it in a worker thread."""
-    import tokenizers
-
-    cache_dir = cache_dir or default_cache_dir()
-    key = gguf_key(gguf)
-    target = cache_dir / "tokenizers" / f"{key}.json"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staged = target.with_name(f".{key}.{os.getpid()}.json")
-        converted = cache_dir / "models" / key / "tokenizer.json"  # vLLM's conversion of the same file
-        if converted.is_file():
-            shutil.copyfile(converted, staged)
-        else:
-            log.info("reading the tokenizer of %s (once)", gguf)
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).backend_tokenizer.save(str(staged))
-        staged.rename(target)
-    return TokenizersTokenizer(tokenizers.Tokenizer.from_file(str(target)))
 
 
 def _die_with_parent() -> None:
@@ -306,10 +268,11 @@ class LlamaCppEngine:
         self.engine_args = {"binary": str(binary), "flags": flags}
         try:
             await self._wait_healthy(socket_path)
-            client = RemoteEngine(
-                ["http://llama-server"], config.model_name, uds=socket_path, tokenizer=_Pending(),
+            remote = RemoteConfig(
+                ("http://llama-server",), config.model_name, uds=socket_path,
                 first_token_timeout=START_TIMEOUT_S, read_timeout=30.0,
-            )
+            )  # fmt: skip
+            client = RemoteEngine(remote, tokenizer=_Pending())
             self._slots = SlotTable(config.slots)
             await client.start()
         except BaseException:

@@ -1,7 +1,8 @@
 """Which replica serves a request: rendezvous hashing on the prefix key, bent by load and health.
 
 Pure functions and plain state, no I/O, so the policy is testable without servers. The HTTP side
-(``engine.remote``) updates :class:`Replica` from requests, probes and ``/metrics`` polls.
+(``engine.remote``, ``engine.attempt``, ``engine.replicas``) updates :class:`Replica` from requests,
+probes and ``/metrics`` polls; :class:`RemoteConfig` is how it reaches them.
 """
 
 from __future__ import annotations
@@ -94,6 +95,44 @@ class LoadPolicy:
 
     max_waiting: float = 4.0  # queued requests (vllm:num_requests_waiting)
     max_kv_usage: float = 0.95  # fraction of KV blocks in use: beyond it, cached prefixes get evicted
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """How the remote engine reaches its replicas (``engine.remote.RemoteEngine``).
+
+    ``connect_timeout``: TCP/TLS connect. ``first_token_timeout``: request sent -> first text
+    (queueing and prefill included); past it the replica counts as failed and the next one is
+    tried (a request without ``failover``, a warm-up, waits on its replica that long once per
+    replica instead). ``read_timeout``: the longest gap between two events once text flows.
+    ``probe_*``: backoff of the background probe that brings a down replica back.
+    ``metrics_interval``: how often live replicas' /metrics are read (only with several replicas);
+    ``silent_polls_down`` polls in a row without an answer take a replica out. ``verify``: TLS
+    verification: True (system CAs), False, or a CA bundle's path. ``max_resumes``: how often a
+    stream that broke mid-way is resumed elsewhere. ``retry_backoff``: pauses before repeating a
+    round in which every replica answered 5xx. ``uds``: reach the server over this Unix socket (the
+    URL then names no host that is dialled). ``tokenizer_path``: a folder whose tokenizer counts
+    tokens (else the model's, when the server names a local folder)."""
+
+    urls: tuple[str, ...]
+    model: str | None = None
+    api_key_env: str = "EMBER_API_KEY"
+    connect_timeout: float = 3.0
+    first_token_timeout: float = 5.0
+    read_timeout: float = 10.0
+    probe_timeout: float = 3.0
+    probe_initial: float = 1.0
+    probe_max: float = 30.0
+    metrics_interval: float = 2.0
+    silent_polls_down: int = 2
+    load_policy: LoadPolicy = LoadPolicy()
+    tokenizer_path: str | None = None
+    default_max_model_len: int = 2048
+    max_connections: int = 64
+    verify: bool | str = True
+    max_resumes: int = 2
+    retry_backoff: tuple[float, ...] = (0.25, 0.5, 1.0)
+    uds: str | None = None
 
 
 def overloaded(replica: Replica, policy: LoadPolicy) -> bool:

@@ -21,7 +21,8 @@ from typing import Any
 import psutil
 
 from engine.base import Engine
-from engine.models import EngineChoice, LoadProgress, ResolvedModel, choose_engine
+from engine.loading import LoadProgress, ResolvedModel
+from engine.models import EngineChoice, choose_engine
 from lsp.completer import Completer
 from lsp.config import Settings, vllm_flags
 from lsp.metrics import Metrics
@@ -175,15 +176,18 @@ def default_engine_factory(settings: Settings, progress: LoadProgress, *, long_l
     telling ``progress``)."""
     if settings.engine_url:
         from engine.remote import RemoteEngine
+        from engine.routing import RemoteConfig
 
         deadline_s = settings.timeout_ms / 1000
         return RemoteEngine(
-            list(settings.engine_url),
-            settings.model,
-            # Fail over to another replica early enough to still answer within the deadline; one
-            # URL (a lone server, or a router that fails over itself) may take all of it.
-            first_token_timeout=max(2.0, deadline_s / 3) if len(settings.engine_url) > 1 else deadline_s,
-            read_timeout=max(5.0, deadline_s / 2),
+            RemoteConfig(
+                settings.engine_url,
+                settings.model,
+                # Fail over to another replica early enough to still answer within the deadline; one
+                # URL (a lone server, or a router that fails over itself) may take all of it.
+                first_token_timeout=max(2.0, deadline_s / 3) if len(settings.engine_url) > 1 else deadline_s,
+                read_timeout=max(5.0, deadline_s / 2),
+            )
         )
     choice = choose_engine(settings.engine, settings.model)
     log.info("engine: %s (%s)", choice.kind, choice.reason)

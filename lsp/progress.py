@@ -36,7 +36,7 @@ async def report_loading(ls: EmberServer) -> None:
 
 async def show_loading_progress(ls: EmberServer) -> None:
     """One progress for getting the model ready, its message naming the stage and its percentage
-    where that stage begins in a typical cold start (:data:`engine.models.STAGE_PERCENT`), and
+    where that stage begins in a typical cold start (:data:`engine.loading.STAGE_PERCENT`), and
     while the model downloads a second one with bytes and a percentage of the download. Returns
     when the engine is loaded or failed to load."""
     core = ls.core

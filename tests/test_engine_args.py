@@ -121,7 +121,7 @@ def test_cpu_defaults_run_the_model_in_the_engine_core_unless_the_user_says_othe
 
 
 def test_long_lived_core_builds_a_long_lived_engine_and_explicit_args_stay() -> None:
-    from engine.models import LoadProgress
+    from engine.loading import LoadProgress
 
     bundled = Settings(model="bundled", engine="vllm")
     settings = merge_settings(bundled, {"engineArgs": {"enforce_eager": True}})

@@ -26,7 +26,8 @@ from context.cut import postprocess
 from engine.base import EngineError, GenerationParams
 from engine.llama_build import SERVER_ENV, server_binary
 from engine.llamacpp import LlamaCppConfig, LlamaCppEngine, SlotTable, engine_args_problem, server_flags
-from engine.models import BUNDLED_NAME, bundled_gguf, choose_engine, pick_gguf, resolve_gguf
+from engine.gguf import pick_gguf
+from engine.models import BUNDLED_NAME, bundled_gguf, choose_engine, resolve_gguf
 from engine.routing import parse_prometheus
 from lsp.config import Settings
 from lsp.engine_host import EmberCore

@@ -21,7 +21,8 @@ from lsprotocol import types
 from pytest_lsp import LanguageClient
 from pytest_lsp.client import make_test_lsp_client
 
-from engine.models import BUNDLED_NAME, DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, HUB_TIMEOUT_S, resolve_bundled
+from engine.hub import HUB_TIMEOUT_S
+from engine.models import BUNDLED_NAME, DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, resolve_bundled
 from tests.conftest import client_capabilities, stats, wait_ready
 from tests.hub import LocalHub
 from tests.test_server import inline, open_doc

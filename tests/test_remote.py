@@ -27,8 +27,10 @@ import pytest
 
 from engine.base import Chunk, Engine, EngineError, EngineNotReady, GenerationParams
 from engine.embedded import cpu_dtype
-from engine.remote import ApproxTokenizer, RemoteEngine, fetch_metrics, finished_requests, prefix_cache_hits
-from engine.routing import LoadPolicy, Replica, metric_sum, order, parse_prometheus, rank
+from engine.remote import RemoteEngine
+from engine.replicas import fetch_metrics, finished_requests, prefix_cache_hits
+from engine.token_counts import ApproxTokenizer
+from engine.routing import LoadPolicy, RemoteConfig, Replica, metric_sum, order, parse_prometheus, rank
 from tests.conftest import free_port
 from tests.fake_openai import FakeServer, sse, text_event
 
@@ -104,7 +106,7 @@ async def fakes(*behaviours: str) -> AsyncIterator[list[FakeServer]]:
 async def remote(urls: list[str], **kwargs) -> AsyncIterator[RemoteEngine]:
     options = dict(connect_timeout=1.0, first_token_timeout=1.0, read_timeout=1.0, probe_timeout=0.5, probe_initial=30.0)
     options.update(kwargs)
-    engine = RemoteEngine(urls, None, **options)
+    engine = RemoteEngine(RemoteConfig(tuple(urls), None, **options))
     await engine.start()
     try:
         yield engine
@@ -433,7 +435,7 @@ async def test_tolerant_stream_from_a_minimal_server() -> None:
 
 
 async def test_not_ready_before_start() -> None:
-    engine = RemoteEngine(["http://127.0.0.1:9"], None)
+    engine = RemoteEngine(RemoteConfig(("http://127.0.0.1:9",)))
     # (isinstance(engine, Engine) would raise here on Python 3.11: hasattr() meets EngineNotReady.)
     assert not engine.ready
     with pytest.raises(EngineNotReady):
@@ -446,7 +448,7 @@ async def test_start_fails_clearly_when_no_server_answers() -> None:
     down = f"http://127.0.0.1:{free_port()}"
     async with fakes("good") as (frozen,):
         frozen.hang_everything = True
-        engine = RemoteEngine([down, frozen.url], None, connect_timeout=0.5, probe_timeout=0.8)
+        engine = RemoteEngine(RemoteConfig((down, frozen.url), connect_timeout=0.5, probe_timeout=0.8))
         started = time.perf_counter()
         with pytest.raises(EngineError) as err:
             await engine.start()
@@ -509,10 +511,10 @@ async def test_fault_before_first_token_falls_over_within_the_deadline(fault: st
         result = await collect(engine.stream("p", PARAMS, "r1", routing_key=key))
         assert result.text == "from-1 ok"
         assert bad.completions == 1 and good.completions == 1
-        limit = engine.first_token_timeout + 0.8 if fault == "hang" else 0.8
+        limit = engine.config.first_token_timeout + 0.8 if fault == "hang" else 0.8
         assert result.seconds < limit, result.seconds
         if fault == "hang":
-            assert result.seconds >= engine.first_token_timeout * 0.9
+            assert result.seconds >= engine.config.first_token_timeout * 0.9
         # The failed replica is out: the next request goes straight to the good one.
         assert not status(engine, bad.url).up
         again = await collect(engine.stream("p", PARAMS, "r2", routing_key=key))
@@ -542,7 +544,7 @@ async def test_fault_on_the_only_replica_is_a_clear_error(fault: str, message: s
         started = time.perf_counter()
         with pytest.raises(EngineError, match=message):
             await collect(engine.stream("p", PARAMS, "r1"))
-        assert time.perf_counter() - started < engine.first_token_timeout + 0.8
+        assert time.perf_counter() - started < engine.config.first_token_timeout + 0.8
 
 
 @pytest.mark.parametrize(("fault", "partial"), [("midstream", "hello"), ("stall", "partial")])
@@ -554,7 +556,7 @@ async def test_break_after_text_resumes_on_the_next_replica(fault: str, partial:
         started = time.perf_counter()
         result = await collect(engine.stream("p", GenerationParams(max_tokens=8), "r1", routing_key=key))
         assert result.text == partial + "from-1 ok"
-        assert time.perf_counter() - started < engine.read_timeout + 0.8
+        assert time.perf_counter() - started < engine.config.read_timeout + 0.8
         assert [b["prompt"] for b in good.bodies] == ["p" + partial]
         tokens_sent = 2 if fault == "midstream" else 1  # "hel", "lo": one token per event
         assert good.bodies[0]["max_tokens"] == 8 - tokens_sent
@@ -582,7 +584,7 @@ async def test_a_router_that_answers_500_is_asked_again_within_the_deadline() ->
         started = time.perf_counter()
         result = await collect(engine.stream("p", PARAMS, "r1", routing_key="file:///a.py#f"))
         assert result.text == "from-0 ok" and router.completions == 3
-        assert time.perf_counter() - started < engine.first_token_timeout + 0.5
+        assert time.perf_counter() - started < engine.config.first_token_timeout + 0.5
         assert engine.retried == 2
         # Every attempt carries the document's session id (for consistent_hash), never its path.
         sessions = {h.get("x-session-id") for _, path, h in router.requests if path == "/v1/completions"}
