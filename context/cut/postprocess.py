@@ -293,7 +293,7 @@ def postprocess(
         site = surroundings_of(prefix, suffix, normalize_language_id(language_id))
         return _postprocess(
             generated, site, prefix, suffix, mode, truncated=truncated, healed=healed, partial=partial, stopped=stopped
-        )
+        )[0]
     except Exception:
         log.warning("postprocess failed; falling back to the first line", exc_info=True)
         return _first_line(generated)
@@ -439,7 +439,7 @@ class SyntaxCutter(StreamCutter):
         # A stop at the very start cut the text to nothing: its reason lies in what was cut.
         raw, stopped = (self.raw, self._stopped) if self.raw.strip() else (self.seen, False)
         try:
-            return _postprocess_why(
+            return _postprocess(
                 strip_control_tokens(raw), site, self.prefix, self.suffix, self.mode,
                 truncated=truncated, healed=self.healed, stopped=stopped,
             )[1] or WHY_BLOCK_RULES
@@ -468,7 +468,7 @@ class SyntaxCutter(StreamCutter):
             return _postprocess(
                 generated, site, self.prefix, self.suffix, self.mode,
                 truncated=truncated, healed=self.healed, partial=partial, stopped=stopped,
-            )
+            )[0]
         except Exception:
             log.warning("postprocess failed; falling back to the first line", exc_info=True)
             return _first_line(generated)
@@ -493,25 +493,8 @@ def _postprocess(
     healed: str,
     partial: bool = False,
     stopped: bool = False,
-) -> str:
-    return _postprocess_why(
-        generated, site, prefix, suffix, mode, truncated=truncated, healed=healed, partial=partial, stopped=stopped
-    )[0]
-
-
-def _postprocess_why(
-    generated: str,
-    site: Surroundings,
-    prefix: str,
-    suffix: str,
-    mode: Mode,
-    *,
-    truncated: bool,
-    healed: str,
-    partial: bool = False,
-    stopped: bool = False,
 ) -> tuple[str, str]:
-    """:func:`postprocess`'s steps, with the reason when they leave nothing: (text, "") or ("", why)."""
+    """:func:`postprocess`'s steps: (the text, "") or ("", why nothing is left)."""
     lines, why = _final_lines(generated, site, mode, truncated, healed, stopped)
     if not lines:
         return "", why
