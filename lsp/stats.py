@@ -52,7 +52,7 @@ def engine_state(ls: EmberServer) -> dict[str, Any]:
         "kind": core.engine_choice.kind if core.engine_choice else None,
         "why": core.engine_choice.reason if core.engine_choice else None,
     }
-    if engine is not None:
+    if engine is not None and engine.engine_args:  # a remote server runs with its own
         state["engine_args"] = engine.engine_args
     if core.engine is not None:
         state["stats"] = core.engine.engine_stats()
