@@ -2,9 +2,9 @@
 
 The straight path: context.prompt.site.site_at (the cursor's site, once) -> the settings' strategy
 (context.prompt.strategy) builds the prompt -> (caches) -> engine.stream -> the strategy's cutter stops the
-stream and gives the text. Shared by every editor session of the process. Per document it remembers
-the last suggestion (typed-through reuse) and the generation in flight (a newer request either
-attaches to it or supersedes it).
+stream and gives the text. Shared by every editor session of the process. What it remembers per
+document lives in that session's :class:`DocumentState`: the last suggestion (typed-through reuse)
+and the generation in flight (a newer request either attaches to it or supersedes it).
 """
 
 from __future__ import annotations
