@@ -135,8 +135,13 @@ class Attempts:
             replica.inflight -= 1
             if self._active.get(request_id) is active:
                 del self._active[request_id]
+            if not producer.done() and progress.done:
+                # The server ended the stream: the producer is closing the response. A cancel that
+                # lands then (in httpx's close, which marks the response closed first) leaves the
+                # connection checked out of the pool for good; 64 of them, and no request gets one.
+                await asyncio.wait({producer}, timeout=self.config.read_timeout)
             if not producer.done():
-                # Closing the response closes the connection, and vLLM aborts the request.
+                # Closing the response mid-stream closes the connection, and vLLM aborts the request.
                 producer.cancel()
                 await asyncio.gather(producer, return_exceptions=True)
 
@@ -145,7 +150,8 @@ class Attempts:
     ) -> None:
         """Reads one HTTP response into ``queue``; always ends with an :class:`_End`."""
         try:
-            async with self._client().stream(
+            client = self._client()
+            async with client.stream(
                 # A UUID: llama-cpp-python's server answers HTTP 400 to any other X-Request-Id.
                 "POST", f"{replica.url}/v1/completions", json=body, headers={**headers, "X-Request-Id": str(uuid.uuid4())}
             ) as response:

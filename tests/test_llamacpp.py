@@ -94,6 +94,26 @@ async def test_streams_text_with_log_probabilities_and_reports_the_reused_prefix
     assert engine.model.max_model_len == 2048 and "<|endoftext|>" in engine.model.special_tokens
 
 
+async def test_streams_that_run_to_their_end_give_their_connections_back(engine: LlamaCppEngine) -> None:
+    """A stream the server ends ([DONE]) returns its connection to the pool: cancelling the reader
+    while httpx closed the response left the connection checked out for good, and after as many
+    completions as the pool holds (64) every request failed (PoolTimeout). A pool of two here."""
+    from engine.remote import RemoteEngine
+    from engine.routing import RemoteConfig
+
+    assert engine.socket_path is not None
+    config = RemoteConfig(("http://llama-server",), BUNDLED_NAME, uds=engine.socket_path, max_connections=2,
+                          first_token_timeout=60.0, read_timeout=30.0)  # fmt: skip
+    client = RemoteEngine(config, tokenizer=engine.tokenizer)
+    await client.start()
+    try:
+        for i in range(8):
+            chunks = [c async for c in client.stream(f"def f{i}(x):\n    return", GenerationParams(max_tokens=4), f"pool-{i}")]
+            assert chunks[-1].finish_reason in ("length", "stop"), chunks
+    finally:
+        await client.close()
+
+
 async def test_cancelling_mid_stream_stops_the_decode(engine: LlamaCppEngine) -> None:
     chunks = engine.stream(RAMBLE, GenerationParams(max_tokens=400), "cancelled")
     seen = 0
