@@ -139,7 +139,7 @@ class Attempts:
                 # The server ended the stream: the producer is closing the response. A cancel that
                 # lands then (in httpx's close, which marks the response closed first) leaves the
                 # connection checked out of the pool for good; 64 of them, and no request gets one.
-                await asyncio.wait({producer}, timeout=self.config.read_timeout)
+                await asyncio.wait({producer}, timeout=min(self.config.read_timeout, 2.0))  # as for [DONE] itself
             if not producer.done():
                 # Closing the response mid-stream closes the connection, and vLLM aborts the request.
                 producer.cancel()
