@@ -14,7 +14,8 @@ _WORD_TAIL = re.compile(r"[A-Za-z0-9_$]+$")
 def word_before(ls: EmberServer, uri: str, position: types.Position) -> str:
     """The identifier the user is typing at the cursor (ASCII, so its length is the same in every
     position encoding)."""
-    doc = ls.documents.get(uri)
+    state = ls.open.get(uri)
+    doc = state.document if state is not None else None
     if doc is None or not 0 <= position.line < doc.line_count:
         return ""
     line, character = ls.to_utf16(doc, position.line, position.character)

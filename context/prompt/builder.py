@@ -28,6 +28,7 @@ The window's parts are in :mod:`context.prompt.window`, the context from other o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -132,6 +133,7 @@ class PromptBudget:
     anchor_step: float = 0.25
 
     @classmethod
+    @functools.lru_cache(maxsize=64)  # pure; a request asks twice (the session's snippets, the prompt)
     def for_model(
         cls,
         max_model_len: int,
