@@ -60,6 +60,9 @@ class ModelInfo:
     name: str
     max_model_len: int
     special_tokens: frozenset[str] = field(default_factory=frozenset)
+    # Where a server says it loaded the weights from (vLLM's ``root``: a hub id or a folder) when it
+    # serves them under another name: the model family is told from these too.
+    origins: tuple[str, ...] = ()
 
 
 @runtime_checkable

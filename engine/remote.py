@@ -129,7 +129,7 @@ class RemoteEngine:
         else:
             self._tokenizer = ApproxTokenizer()
         max_len = min(lengths) if lengths else self.config.default_max_model_len
-        self._model = ModelInfo(name=name, max_model_len=max_len, special_tokens=special)
+        self._model = ModelInfo(name=name, max_model_len=max_len, special_tokens=special, origins=tuple(dict.fromkeys(roots)))
         if self._monitor is None:
             self._monitor = asyncio.create_task(self.health.watch(), name="ember-remote-monitor")
         await self.health.prepare_logprobs([r for r, _ in alive])

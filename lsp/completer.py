@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from cachetools import LRUCache
 
-from context.cut.confidence import CALIBRATIONS, Calibration, TokenTrace, Verdict, judge
+from context.cut.confidence import Calibration, TokenTrace, Verdict, calibration_for, judge
 from context.prompt.builder import Prompt
 from context.prompt.fim import FimTemplate, choose_template
 from context.prompt.site import CompletionSite, site_at
@@ -237,7 +237,8 @@ class Completer:
             metrics.confidence, metrics.why_empty = cached.confidence, cached.why_empty
             return self._done(state, Cursor.at(text, offset), cached.text, metrics, started)
 
-        calibration = CALIBRATIONS.get(self.template_for(engine, settings.fim_template).name)
+        template = self.template_for(engine, settings.fim_template)
+        calibration = calibration_for(template.name, engine.model.name, *engine.model.origins)
         this = Running(
             state, Cursor.at(text, offset), chosen.cutter(site, prompt), cache_key, calibration,
             min_confidence_for(settings, calibration), on_text,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -582,7 +583,8 @@ async def test_logprobs_reach_the_gate_and_a_hidden_answer_is_cached(completer: 
 async def test_a_calibrated_model_shortens_a_block(
     completer: EditorCompleter, engine: ScriptedEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(confidence.CALIBRATIONS, "qwen2.5-coder", CALIBRATION)  # the scripted model's template
+    scripted = confidence.CalibratedFamily(frozenset({"qwen2.5-coder"}), re.compile("scripted-coder"), CALIBRATION)
+    monkeypatch.setattr(confidence, "CALIBRATIONS", (scripted,))
     task = start(completer, TOTAL, TOTAL_CURSOR)
     call = await engine.next_call()
     await call.send("total = 0\n", logprobs=(SURE,))
@@ -593,6 +595,26 @@ async def test_a_calibrated_model_shortens_a_block(
     done = await result(task)
     assert done.text == "total = 0\n    for item in items:"
     assert done.metrics.shown == "shortened" and done.metrics.confidence == pytest.approx(CALIBRATION.probability([SURE, SURE]))
+
+
+async def test_a_calibrated_family_hides_by_its_default_unless_the_user_sets_a_threshold(
+    completer: EditorCompleter, engine: ScriptedEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scripted = confidence.CalibratedFamily(frozenset({"qwen2.5-coder"}), re.compile("scripted-coder"), CALIBRATION)
+    monkeypatch.setattr(confidence, "CALIBRATIONS", (scripted,))
+    assert SETTINGS.min_confidence is None  # the user set none: the family's default (0.5) applies
+    task = start(completer, AREA, AREA_CURSOR)
+    call = await engine.next_call()
+    await call.send(" * height", logprobs=(UNSURE,))
+    await call.end()
+    hidden = await result(task)
+    assert hidden.text == "" and hidden.metrics.shown == "hidden"
+    assert hidden.metrics.why_empty == f"its confidence {CALIBRATION.probability([UNSURE]):.2f} is below minConfidence 0.50"
+    shown = start(completer, AREA, AREA_CURSOR, dataclasses.replace(SETTINGS, min_confidence=0.0))  # the user's wins
+    call = await engine.next_call()
+    await call.send(" * height", logprobs=(UNSURE,))
+    await call.end()
+    assert (await result(shown)).text == " * height"
 
 
 async def test_the_streamed_preview_is_gated_too(completer: EditorCompleter, engine: ScriptedEngine) -> None:

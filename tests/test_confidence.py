@@ -98,3 +98,31 @@ def test_min_confidence_setting_is_a_probability() -> None:
     assert merge_settings(Settings(min_confidence=0.3), {"minConfidence": None}).min_confidence is None
     with pytest.raises(ConfigError, match=r"minConfidence must be between 0\.0 and 1\.0"):
         merge_settings(Settings(), {"minConfidence": 1.5})
+
+
+
+@pytest.mark.parametrize(
+    ("template", "name", "family"),
+    [
+        ("qwen2.5-coder", "ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF", confidence.QWEN25_CODER_05B),  # llama.cpp's default
+        ("qwen2.5-coder", "Qwen/Qwen2.5-Coder-0.5B", confidence.QWEN25_CODER_05B),
+        ("qwen2.5-coder", "qwen2.5-coder-0.5b-instruct-q4_k_m", confidence.QWEN25_CODER_05B),  # a .gguf file's stem
+        ("qwen2.5-coder", "Qwen/Qwen2.5-Coder-1.5B", confidence.QWEN25_CODER_15B),  # vLLM's default on a GPU
+        ("qwen2.5-coder", "qwen2.5-coder-1.5b-instruct-q4_k_m", confidence.QWEN25_CODER_15B),
+        ("qwen2.5-coder-repo", "Qwen/Qwen2.5-Coder-1.5B", confidence.QWEN25_CODER_15B),  # other files laid out as a repo
+        ("prefix-only", "SmolLM2-135M-Instruct", confidence.SMOLLM2_135M),  # the bundled model
+        ("qwen2.5-coder", "Qwen/Qwen2.5-Coder-7B", None),  # not measured: everything is shown
+        ("qwen2.5-coder", "Qwen/Qwen2.5-Coder-3B", None),
+        ("starcoder2", "qwen2.5-coder-1.5b-as-starcoder2", None),  # prompted otherwise: not the fitted family
+        ("prefix-only", "my-model", None),
+    ],
+)
+def test_a_calibration_is_found_by_template_and_model_name(template: str, name: str, family: object) -> None:
+    assert confidence.calibration_for(template, name) is family
+
+
+def test_a_model_served_under_another_name_is_told_by_where_it_was_loaded_from() -> None:
+    """README's recipe: ``vllm serve Qwen/Qwen2.5-Coder-1.5B --served-model-name qwen-coder``
+    (``/v1/models`` lists ``qwen-coder`` with ``root`` the hub id)."""
+    assert confidence.calibration_for("qwen2.5-coder", "qwen-coder") is None
+    assert confidence.calibration_for("qwen2.5-coder", "qwen-coder", "Qwen/Qwen2.5-Coder-1.5B") is confidence.QWEN25_CODER_15B

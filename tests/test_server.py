@@ -145,8 +145,8 @@ async def test_completions_after_incremental_edits_match_a_full_sync(client, sam
     last = (await stats(client))["last"]
     assert last["streamed_tokens"] > 0 and not last["cache_hit"], last
     assert last["prompt_tokens"] > 100
-    # The embedded engine's token log-probabilities reached the confidence gate (the bundled model
-    # has no calibration: everything is shown, with the kept tokens' geometric-mean probability).
+    # The embedded engine's token log-probabilities reached the confidence gate (the bundled model's
+    # default threshold is 0: everything is shown, with its calibrated probability).
     assert 0 < last["confidence"] <= 1 and last["shown"] == "shown", last
 
     completion_items = await complete(client, URI, cursor_line, cursor_char)

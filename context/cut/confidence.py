@@ -69,9 +69,42 @@ class Calibration:
         return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, score))))
 
 
-# Fitted by bench/confidence.py on the dev sets (the command and the curve are in bench/README.md),
-# keyed by the FIM template's name, which is what identifies the model family to ember.
-CALIBRATIONS: dict[str, Calibration] = {}
+@dataclass(frozen=True)
+class CalibratedFamily:
+    """The models a calibration was fitted for: the FIM templates they are prompted with and a
+    pattern that their name (a hub id, a file or folder name, a remote server's model name;
+    lowercased) matches."""
+
+    templates: frozenset[str]
+    name: re.Pattern[str]
+    calibration: Calibration
+
+
+# Fitted by bench/confidence.py on the dev sets, each model as Q4_K_M (SmolLM2: Q4_1) on ember's
+# llama.cpp engine (the commands, the curves and what each threshold hides are in bench/README.md).
+# The threshold is the highest that keeps 90% of the exact answers on every dev set.
+# SmolLM2 writes 4% of the dev answers exactly (none of HumanEval's: it has no FIM); keeping 90% of
+# them allows no threshold above 0: its calibration reports a probability and hides nothing.
+SMOLLM2_135M = Calibration(bias=4.8624, min_weight=0.9998, mean_weight=6.5034, length_weight=-1.8844, min_confidence=0.0)
+QWEN25_CODER_05B = Calibration(bias=3.3385, min_weight=0.8589, mean_weight=5.0662, length_weight=-1.3862, min_confidence=0.03)
+QWEN25_CODER_15B = Calibration(bias=4.7113, min_weight=0.0330, mean_weight=9.4462, length_weight=-1.7629, min_confidence=0.14)
+
+_QWEN_TEMPLATES = frozenset({"qwen2.5-coder", "qwen2.5-coder-repo"})
+# The template tells the family, the name its size: a bigger model is surer of the same text.
+CALIBRATIONS: tuple[CalibratedFamily, ...] = (
+    CalibratedFamily(frozenset({"prefix-only"}), re.compile(r"smollm2-135m"), SMOLLM2_135M),
+    CalibratedFamily(_QWEN_TEMPLATES, re.compile(r"qwen2\.5-coder-0\.5b"), QWEN25_CODER_05B),
+    CalibratedFamily(_QWEN_TEMPLATES, re.compile(r"qwen2\.5-coder-1\.5b"), QWEN25_CODER_15B),
+)
+
+
+def calibration_for(template: str, *names: str) -> Calibration | None:
+    """The calibration of the model family that a model prompted with ``template`` belongs to, told
+    by any of its ``names`` (its own, where it was loaded from); None for a model ember has none
+    for (it shows everything but degenerate repetition)."""
+    lowered = [name.lower() for name in names]
+    families = (f for f in CALIBRATIONS if template in f.templates and any(f.name.search(name) for name in lowered))
+    return next((f.calibration for f in families), None)
 
 
 def uncalibrated(logprobs: Sequence[float]) -> float:
