@@ -16,7 +16,10 @@ exact-among-shown to showing everything. Degenerate repetitions among the shown 
 counted too (ember never shows them). Last, the ceiling of the signal per set: the best ratio any
 threshold reaches while keeping ``--keep`` of the exact answers, chosen with hindsight on all of
 the set's cursors, for the lowest log-probability alone, the fit, and a fit of the set's own.
-Prints the tables and the ``Calibration(...)`` line, and
+What ships is the last table: the fit on every answered cursor, the highest threshold keeping
+``--keep`` of every set's exact answers, its precision per set and over all sets against showing
+everything (the split above says how far that carries to other cases). Prints the tables and the
+``Calibration(...)`` line, and
 writes bench/results/confidence-<model>.json.
 """
 
@@ -126,6 +129,28 @@ def in_sample_ceiling(rows: list[dict[str, Any]], score: Any, keep: float) -> tu
     return best
 
 
+def ship(
+    records: list[dict[str, Any]], judged: list[dict[str, Any]], keep: float
+) -> tuple[list[float], float, dict[str, dict[str, Any]]]:
+    """What ember ships: the fit on every answered cursor and the highest threshold that keeps
+    ``keep`` of every set's exact answers, with its point per set and over the sets together."""
+    weights = fit(judged)
+    threshold = choose_threshold(by_source(records), calibration(weights, 0.0), keep)
+    model = calibration(weights, threshold)
+    points = {name: point(rows, model, threshold) for name, rows in by_source(records).items()}
+    points["all sets"] = point(records, model, threshold)
+    print(f"\nshipped: fit on all {len(judged)} answered cursors, threshold {threshold:.2f} (all {len(records)} cursors)")
+    print("| set | cursors | shown | exact among shown | exact among all answered | x all shown | exact kept |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, p in points.items():
+        everything = p["exact_among_shown"] / p["x_all_shown"] if p["exact_among_shown"] and p["x_all_shown"] else None
+        print(
+            f"| {name} | {p['cursors']} | {fmt(p['shown'], '.3f')} | {fmt(p['exact_among_shown'], '.3f')} "
+            f"| {fmt(everything, '.3f')} | {fmt(p['x_all_shown'], '.3f')} | {fmt(p['exact_kept'], '.3f')} |"
+        )
+    return weights, threshold, points
+
+
 def by_source(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     found: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -198,9 +223,10 @@ def main() -> int:
         }
         ceilings[name] = {label: in_sample_ceiling(rows, score, args.keep) for label, score in signals.items()}
         print(f"  {name}: " + ", ".join(f"{label} {r:.2f} / {k:.2f}" for label, (r, k) in ceilings[name].items()))
+    shipped_weights, shipped_threshold, shipped = ship(records, judged, args.keep)
     print(
-        f"\nCalibration(bias={weights[0]:.4f}, min_weight={weights[1]:.4f}, mean_weight={weights[2]:.4f}, "
-        f"length_weight={weights[3]:.4f}, min_confidence={chosen:.2f})"
+        f"\nCalibration(bias={shipped_weights[0]:.4f}, min_weight={shipped_weights[1]:.4f}, "
+        f"mean_weight={shipped_weights[2]:.4f}, length_weight={shipped_weights[3]:.4f}, min_confidence={shipped_threshold:.2f})"
     )
     out = args.out or ROOT / "bench" / "results" / f"confidence-{'-'.join(sorted(map(str, models)))}.json"
     out.write_text(
@@ -214,6 +240,7 @@ def main() -> int:
                 "held_out_curves": curves,
                 "swapped": {"weights": swapped_weights, "threshold": swapped_threshold, "points": swapped_points},
                 "in_sample_ceiling": ceilings,
+                "shipped": {"weights": shipped_weights, "threshold": shipped_threshold, "points": shipped},
             },
             indent=1,
         )

@@ -2,6 +2,7 @@
 drives it, on the same model, in one run, through the same typing replay as bench/replay.py.
 
     .venv/bin/python bench/peer.py [--requests 40] [--model smollm2|qwen-coder] [--configs ...]
+    .venv/bin/python bench/peer.py --model qwen-coder --configs ember,ember-llamacpp,ember-llamacpp:qwen-coder-1.5b
     .venv/bin/python bench/peer.py --setup          # only for --peer-server llama-cpp-python (~15-25 min)
 
 Why this exists: ember's latency ideas (anchored prompts, typed-through reuse, partial results)
@@ -63,6 +64,9 @@ seed, the same keystrokes and pauses, the same ``--max-tokens``):
 * ``ember-llamacpp``: the same ember on its embedded llama.cpp engine (``--engine llamacpp
   --model FILE.gguf``: the same llama-server binary as the peer, managed by ember, the GGUF loaded
   as it is; engine/llamacpp.py).
+* ``CONFIG:MODEL`` (``ember:smollm2``, ``ember-llamacpp:qwen-coder-1.5b``): an ember configuration
+  on another model than ``--model`` (issue 45's question: Qwen2.5-Coder-1.5B on llama.cpp against
+  the 0.5B, in one replay). Prompts follow each ember's own model; the peer keeps ``--model``'s.
 
 Columns, per request, all measured at the client from the moment the request is sent:
 
@@ -172,12 +176,19 @@ class Model:
     gguf_arg: str  # --model for the embedded llama.cpp ember
 
 
+MODELS = ("smollm2", "qwen-coder", "qwen-coder-1.5b")
+
+
 def resolve(name: str) -> Model:
-    from bench.models import qwen_coder, qwen_gguf, smollm2
+    from bench.models import QWEN_15B, chunked_gguf, qwen_coder, qwen_gguf, smollm2
     from engine.models import bundled_gguf
 
     if name == "smollm2":
         return Model(name, bundled_gguf(), smollm2(), "bundled", "bundled")
+    if name == "qwen-coder-1.5b":
+        # llama.cpp only: the tokenizer is the 0.5B's (Qwen2.5's, the same vocabulary), so no bf16 copy is made.
+        gguf = chunked_gguf(QWEN_15B, CACHE / QWEN_15B.folder)
+        return Model(name, gguf, qwen_coder(), "", str(gguf))
     folder = qwen_coder()
     gguf = qwen_gguf(CACHE / "qwen-coder")
     return Model(name, gguf, folder, str(folder), str(gguf))
@@ -285,6 +296,8 @@ class EmberEditor(Editor):
 
 async def start_ember(name: str, args: argparse.Namespace, model: Model, engine: str) -> Stack:
     options = {"maxTokens": args.max_tokens, "timeoutMs": args.timeout_ms}
+    if engine == "vllm" and not model.ember_arg:
+        raise SystemExit(f"{name}: {model.name} has no vLLM copy here; use it with ember-llamacpp")
     command = ember_command(model.gguf_arg if engine == "llamacpp" else model.ember_arg, engine)
     ember = Ember(command, options, name="ember-peer-bench")
     client = ember.client
@@ -898,7 +911,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", action="store_true", help="build llama-cpp-python into bench/.cache/peer-venv and exit")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(KNOWN_CONFIGS)}")
-    p.add_argument("--model", choices=("smollm2", "qwen-coder"), default="smollm2")
+    p.add_argument("--model", choices=MODELS[:2], default="smollm2")
     p.add_argument("--peer-server", choices=PEER_SERVERS, default="llama-server", help="the peer's server (default llama-server)")
     p.add_argument("--peer-prompt", choices=("ember", "llama.vim"), default="ember", help="prompt text of `peer` (peer-vim always uses llama.vim's)")
     p.add_argument("--requests", type=int, default=40, help="requests per configuration (default 40)")
@@ -918,9 +931,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(RESULTS / "peer.json"))
     args = p.parse_args(argv)
     names = args.configs.split(",")
-    unknown = [n for n in names if n not in KNOWN_CONFIGS]
+    unknown = [n for n in names if n.partition(":")[0] not in KNOWN_CONFIGS or n.partition(":")[2] not in ("", *MODELS)]
     if unknown:
-        p.error(f"unknown configs {unknown}; known: {', '.join(KNOWN_CONFIGS)}")
+        p.error(f"unknown configs {unknown}; known: {', '.join(KNOWN_CONFIGS)}, an ember one as CONFIG:MODEL ({', '.join(MODELS)})")
+    if any(n.startswith("peer") and ":" in n for n in names):
+        p.error("the peer runs --model; only ember configurations take :MODEL")
     return args
 
 
@@ -953,7 +968,8 @@ async def main(argv: list[str] | None = None) -> int:
                 stack, server = await start_peer(name, args, model, prompts, "llama.vim" if name == "peer-vim" else args.peer_prompt)
                 servers.append((name, server))
             else:
-                stack = await start_ember(name, args, model, "llamacpp" if name == "ember-llamacpp" else "vllm")
+                config, _, other = name.partition(":")
+                stack = await start_ember(name, args, resolve(other) if other else model, "llamacpp" if config == "ember-llamacpp" else "vllm")
             stacks.append(stack)
         monitor.start()
         turns = await run_replay(stacks, files, args)
@@ -982,6 +998,17 @@ async def main(argv: list[str] | None = None) -> int:
         goal = {"ember visible_ms p50 <= peer": {"ember": e, "peer": p, "ok": e is not None and p is not None and e <= p}}
         print(f"\ngoal: ember p50 visible_ms {fmt(e, '.1f')} <= peer {fmt(p, '.1f')}: {'ok' if goal['ember visible_ms p50 <= peer']['ok'] else 'MISS'}")
 
+    # Issue 45: another model may become the CPU default if its generated requests' first line is
+    # within 1.2x of the default's: each ember on another model against each on --model.
+    for other in (n for n in summaries if ":" in n):
+        for base in (n for n in summaries if n.startswith("ember") and ":" not in n):
+            a = summaries[other]["generated"]["first_line_ms"]["p50"]
+            b = summaries[base]["generated"]["first_line_ms"]["p50"]
+            ratio = a / b if a is not None and b else None
+            goal[f"{other} generated first_line p50 <= 1.2x {base}"] = {other: a, base: b, "ratio": ratio, "ok": ratio is not None and ratio <= 1.2}
+            print(f"generated first line p50: {other} {fmt(a, '.1f')} ms / {base} ({args.model}) {fmt(b, '.1f')} ms = {fmt(ratio, '.2f')}x"
+                  f": {'within' if ratio is not None and ratio <= 1.2 else 'NOT within'} 1.2x")
+
     for name in summaries:
         idle = [t["others_cpu_s"][name] / t["seconds"] for t in turns if name in t["others_cpu_s"] and t["seconds"] > 0]
         if idle:
@@ -997,7 +1024,8 @@ async def main(argv: list[str] | None = None) -> int:
     write_results(out, {
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                     "busy_processes_before": busy_before, "busy_processes_after": busy_after, "other_processes_during_replay": load},
-        "model": {"name": args.model, "gguf": str(model.gguf), "folder": str(model.folder), "fim_template": prompts.template.name},
+        "model": {"name": args.model, "gguf": str(model.gguf), "folder": str(model.folder), "fim_template": prompts.template.name,
+                  "others": {n: str(resolve(n.partition(":")[2]).gguf) for n in names if ":" in n}},
         "peer": {"server": peer_label(args.peer_server), "threads": THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
                  "command": next((s.command for n, s in servers if n.startswith("peer")), None)},
         "runs": runs, "turns": turns, "summary": summaries, "ratios_to_peer_p50": rel, "paired_with_peer": pairs, "goal": goal,

@@ -717,6 +717,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repo-cuts", action="store_true", help="add cases cut from requests, flask and express releases")
     parser.add_argument("--repo-cases", type=int, default=20, help="line cuts and body cuts per repository (default 20 each)")
     parser.add_argument("--limit", type=int, help="cases per input (each jsonl file; the repo cuts), stratified by source")
+    parser.add_argument(
+        "--skip", type=int, help="leave out the cases that --limit SKIP would choose (the next slice of a larger --limit)"
+    )
     parser.add_argument("--seed", type=int, default=SEED)
     add_model_args(parser, "smollm2", engine_args=False)
     parser.add_argument(
@@ -768,7 +771,11 @@ def select_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
     selected: list[Case] = []
     inputs = []
     for path in files:
-        selected += sample(load_cases(path), args.limit, args.seed)
+        cases = load_cases(path)
+        # The stratified choice grows with the limit (each source's shuffled pool taken from its
+        # start), so a smaller limit's cases are, up to rounding, a part of a larger one's.
+        done = {(c.source, c.id) for c in sample(cases, args.skip, args.seed)} if args.skip else set()
+        selected += [c for c in sample(cases, args.limit, args.seed) if (c.source, c.id) not in done]
         inputs.append(str(path))
     if args.repo_cuts:
         cut, used = repo_cases(args.repo_cases, args.seed)
@@ -793,6 +800,7 @@ async def run(args: argparse.Namespace) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "inputs": inputs,
         "limit": args.limit,
+        "skip": args.skip,
         "seed": args.seed,
         "max_tokens": args.max_tokens,
         "strategies": strategies,

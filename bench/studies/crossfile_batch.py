@@ -3,8 +3,8 @@ ember's own request path, generated in one batch on one embedded engine (greedy)
 bench/crossfile.py scores the server's answers. For choosing a variant; the server run
 (bench/crossfile.py) confirms the chosen one.
 
-    .venv/bin/python bench/crossfile_batch.py --model qwen-coder --repos DIR [--limit 8 [--skip N]] \
-        [--variants off,tab,workspace,oracle] [--out bench/results/crossfile-batch.json]
+    .venv/bin/python bench/studies/crossfile_batch.py --model qwen-coder --repos DIR [--limit 8 [--skip N]] \
+        [--variants off,tab,workspace,oracle] [--engine llamacpp --parallel 4] [--out bench/results/crossfile-batch.json]
 
 The path per case and variant is the completer's: ``site_at`` -> ``strategy("ast", "syntax")`` ->
 the prompt with the engine's tokenizer and ``Settings.budget_for`` for the variant's crossFile mode at
@@ -49,8 +49,9 @@ from context.prompt.snippets import NO_CROSS_FILE, CrossFile, select_snippets
 from context.prompt.strategy import strategy
 from context.source.document import Document
 from context.source.workspace import WorkspaceIndex
-from engine.base import GenerationParams
+from engine.base import Engine, GenerationParams
 from engine.embedded import EmbeddedConfig, EmbeddedEngine
+from engine.llamacpp import LlamaCppConfig, LlamaCppEngine
 from lsp.config import Settings
 
 MAX_TOKENS = 48  # bench/crossfile.py's maxTokens
@@ -394,7 +395,7 @@ class Record:
 
 
 async def run_one(
-    engine: EmbeddedEngine, c: CaseView, name: str, variant: Variant, template: Any, gate: asyncio.Semaphore
+    engine: Engine, c: CaseView, name: str, variant: Variant, template: Any, gate: asyncio.Semaphore
 ) -> Record:
     mode, cross = variant(c)
     doc = Document(c.path.as_uri(), "python", c.text, 1)
@@ -517,9 +518,16 @@ async def main_async(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in table]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}: {sorted(table)}")
-    label, model_path = resolve_model(args.model)
+    label, model_path = resolve_model(args.model, args.engine)
     assert model_path is not None
-    engine = EmbeddedEngine(EmbeddedConfig(model_path=model_path, model_name=label, kv_cache_gib=args.kv_cache_gib))
+    engine: Engine
+    if args.engine == "llamacpp":  # the GGUF file as it is, one request per slot
+        from engine.models import resolve_gguf
+
+        gguf = resolve_gguf(model_path)
+        engine = LlamaCppEngine(LlamaCppConfig(gguf=gguf.path, model_name=gguf.name, slots=args.parallel))
+    else:
+        engine = EmbeddedEngine(EmbeddedConfig(model_path=model_path, model_name=label, kv_cache_gib=args.kv_cache_gib))
     started = time.perf_counter()
     await engine.start()
     print(f"engine ready in {time.perf_counter() - started:.0f} s (max_model_len {engine.model.max_model_len})", flush=True)
@@ -555,7 +563,7 @@ async def main_async(args: argparse.Namespace) -> int:
     print_table(summary, names)
     out = args.out or RESULTS / f"crossfile-batch-{label}.json"
     data = {
-        "model": label, "cases": len(views), "limit_per_package": args.limit, "skip_per_package": args.skip, "variants": names,
+        "model": label, "engine": args.engine, "cases": len(views), "limit_per_package": args.limit, "skip_per_package": args.skip, "variants": names,
         "seconds": round(elapsed), "summary": summary, "records": [r.__dict__ for r in records],
     }  # fmt: skip
     print(f"wrote {await asyncio.to_thread(write_results, out, data, args)}")
@@ -564,12 +572,13 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen-coder", help="qwen-coder (default), smollm2, or a model folder (vLLM, embedded)")
+    parser.add_argument("--model", default="qwen-coder", help="qwen-coder (default), qwen-coder-1.5b, smollm2, or a model folder / .gguf")
     parser.add_argument("--repos", type=Path, default=CACHE / "crossfile-repos")
     parser.add_argument("--limit", type=int, help="cases per package (bench/crossfile.py's stratified choice)")
     parser.add_argument("--skip", type=int, default=0, help="leave out the cases that --limit SKIP would choose")
     parser.add_argument("--variants", default="off,tab,oracle,workspace")
-    parser.add_argument("--parallel", type=int, default=16, help="requests in flight (vLLM batches them)")
+    parser.add_argument("--engine", choices=("vllm", "llamacpp"), default="vllm", help="embedded vLLM (default) or llama.cpp on the GGUF")
+    parser.add_argument("--parallel", type=int, default=16, help="requests in flight (vLLM batches them; llama.cpp's slots)")
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--list", action="store_true", help="print the variants and exit")
