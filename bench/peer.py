@@ -180,15 +180,16 @@ MODELS = ("smollm2", "qwen-coder", "qwen-coder-1.5b")
 
 
 def resolve(name: str) -> Model:
-    from bench.models import QWEN_15B, chunked_gguf, qwen_coder, qwen_gguf, smollm2
+    from bench.harness import resolve_model
+    from bench.models import qwen_coder, qwen_gguf, smollm2
     from engine.models import bundled_gguf
 
     if name == "smollm2":
         return Model(name, bundled_gguf(), smollm2(), "bundled", "bundled")
     if name == "qwen-coder-1.5b":
         # llama.cpp only: the tokenizer is the 0.5B's (Qwen2.5's, the same vocabulary), so no bf16 copy is made.
-        gguf = chunked_gguf(QWEN_15B, CACHE / QWEN_15B.folder)
-        return Model(name, gguf, qwen_coder(), "", str(gguf))
+        gguf = str(resolve_model(name, "llamacpp")[1])
+        return Model(name, Path(gguf), qwen_coder(), "", gguf)
     folder = qwen_coder()
     gguf = qwen_gguf(CACHE / "qwen-coder")
     return Model(name, gguf, folder, str(folder), str(gguf))
@@ -949,6 +950,7 @@ async def main(argv: list[str] | None = None) -> int:
     monitor = LoadMonitor()
     model = resolve(args.model)
     print(f"model {args.model}: {model.gguf} (llama.cpp), {model.folder} (vLLM, tokenizer)", flush=True)
+    others = {n: resolve(n.partition(":")[2]) for n in names if ":" in n}  # CONFIG:MODEL (the GGUF checked once)
 
     files: list[tuple[str, str, list[Body]]] = []
     for spec, wanted in SOURCES[: args.files]:
@@ -969,7 +971,7 @@ async def main(argv: list[str] | None = None) -> int:
                 servers.append((name, server))
             else:
                 config, _, other = name.partition(":")
-                stack = await start_ember(name, args, resolve(other) if other else model, "llamacpp" if config == "ember-llamacpp" else "vllm")
+                stack = await start_ember(name, args, others[name] if other else model, "llamacpp" if config == "ember-llamacpp" else "vllm")
             stacks.append(stack)
         monitor.start()
         turns = await run_replay(stacks, files, args)
@@ -1025,7 +1027,7 @@ async def main(argv: list[str] | None = None) -> int:
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                     "busy_processes_before": busy_before, "busy_processes_after": busy_after, "other_processes_during_replay": load},
         "model": {"name": args.model, "gguf": str(model.gguf), "folder": str(model.folder), "fim_template": prompts.template.name,
-                  "others": {n: str(resolve(n.partition(":")[2]).gguf) for n in names if ":" in n}},
+                  "others": {n: str(m.gguf) for n, m in others.items()}},
         "peer": {"server": peer_label(args.peer_server), "threads": THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
                  "command": next((s.command for n, s in servers if n.startswith("peer")), None)},
         "runs": runs, "turns": turns, "summary": summaries, "ratios_to_peer_p50": rel, "paired_with_peer": pairs, "goal": goal,

@@ -150,8 +150,7 @@ class Attempts:
     ) -> None:
         """Reads one HTTP response into ``queue``; always ends with an :class:`_End`."""
         try:
-            client = self._client()
-            async with client.stream(
+            async with self._client().stream(
                 # A UUID: llama-cpp-python's server answers HTTP 400 to any other X-Request-Id.
                 "POST", f"{replica.url}/v1/completions", json=body, headers={**headers, "X-Request-Id": str(uuid.uuid4())}
             ) as response:

@@ -4,7 +4,7 @@ bench/crossfile.py scores the server's answers. For choosing a variant; the serv
 (bench/crossfile.py) confirms the chosen one.
 
     .venv/bin/python bench/studies/crossfile_batch.py --model qwen-coder --repos DIR [--limit 8 [--skip N]] \
-        [--variants off,tab,workspace,oracle] [--engine llamacpp --parallel 4] [--out bench/results/crossfile-batch.json]
+        [--variants off,tab,workspace,oracle] [--engine llamacpp --parallel 2] [--out bench/results/crossfile-batch.json]
 
 The path per case and variant is the completer's: ``site_at`` -> ``strategy("ast", "syntax")`` ->
 the prompt with the engine's tokenizer and ``Settings.budget_for`` for the variant's crossFile mode at
