@@ -271,6 +271,8 @@ class LlamaCppEngine:
             remote = RemoteConfig(
                 ("http://llama-server",), config.model_name, uds=socket_path,
                 first_token_timeout=START_TIMEOUT_S, read_timeout=30.0,
+                # llama-server closes the connection after each streamed answer without saying so.
+                keepalive_expiry=0.0,
             )  # fmt: skip
             client = RemoteEngine(remote, tokenizer=_Pending())
             self._slots = SlotTable(config.slots)

@@ -320,7 +320,11 @@ class RemoteEngine:
         except ImportError:
             http2 = False
         config = self.config
-        limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
+        limits = httpx.Limits(
+            max_connections=config.max_connections,
+            max_keepalive_connections=config.max_connections,
+            keepalive_expiry=config.keepalive_expiry,
+        )
         return httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=config.uds, limits=limits) if config.uds else None,
             # HTTP/2 is negotiated over TLS when the server offers it; vLLM speaks HTTP/1.1, where

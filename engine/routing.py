@@ -111,8 +111,12 @@ class RemoteConfig:
     verification: True (system CAs), False, or a CA bundle's path. ``max_resumes``: how often a
     stream that broke mid-way is resumed elsewhere. ``retry_backoff``: pauses before repeating a
     round in which every replica answered 5xx. ``uds``: reach the server over this Unix socket (the
-    URL then names no host that is dialled). ``tokenizer_path``: a folder whose tokenizer counts
-    tokens (else the model's, when the server names a local folder)."""
+    URL then names no host that is dialled). ``keepalive_expiry``: how long an idle pooled
+    connection is kept: under the 5 s after which vLLM (uvicorn) closes one, as httpx's default of
+    the same 5 s was not; a request sent on a connection the server is closing fails (``Server
+    disconnected``) and takes the replica out for a second. 0 keeps none.
+    ``tokenizer_path``: a folder whose tokenizer counts tokens (else the model's, when the server
+    names a local folder)."""
 
     urls: tuple[str, ...]
     model: str | None = None
@@ -129,6 +133,7 @@ class RemoteConfig:
     tokenizer_path: str | None = None
     default_max_model_len: int = 2048
     max_connections: int = 64
+    keepalive_expiry: float = 4.0
     verify: bool | str = True
     max_resumes: int = 2
     retry_backoff: tuple[float, ...] = (0.25, 0.5, 1.0)
