@@ -30,7 +30,8 @@ from engine.llama_build import SERVER_ENV, server_binary
 from engine.llamacpp import LlamaCppConfig, LlamaCppEngine, SlotTable, engine_args_problem, server_flags
 from engine.gguf import pick_gguf
 from engine.models import BUNDLED_NAME, bundled_gguf, choose_engine, resolve_gguf
-from engine.routing import parse_prometheus
+from engine.remote import RemoteEngine
+from engine.routing import RemoteConfig, parse_prometheus
 from lsp.config import Settings
 from lsp.engine_host import EmberCore
 from tests.conftest import DATA, wait_ready
@@ -100,9 +101,6 @@ async def test_streams_that_run_to_their_end_give_their_connections_back(engine:
     """A stream the server ends ([DONE]) returns its connection to the pool: cancelling the reader
     while httpx closed the response left the connection checked out for good, and after as many
     completions as the pool holds (64) every request failed (PoolTimeout). A pool of two here."""
-    from engine.remote import RemoteEngine
-    from engine.routing import RemoteConfig
-
     assert engine.socket_path is not None
     config = RemoteConfig(("http://llama-server",), BUNDLED_NAME, uds=engine.socket_path, max_connections=2,
                           first_token_timeout=60.0, read_timeout=30.0)  # fmt: skip
@@ -139,8 +137,6 @@ async def test_no_connection_is_reused_after_a_streamed_answer(engine: LlamaCppE
         writer.close()
     # A burst through a pool of two, where each request takes the connection its predecessor
     # left at once: with connections kept, 2-4 of 60 such streams failed.
-    from engine.remote import RemoteEngine
-
     config = dataclasses.replace(engine._client.config, max_connections=2, connect_timeout=60.0)  # a queue of 58 waits
     client = RemoteEngine(config, tokenizer=engine.tokenizer)
     await client.start()
