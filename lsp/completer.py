@@ -230,6 +230,8 @@ class Completer:
         metrics.cross_file_why = [f"{snippet.path}: {reason}" for snippet in cross_file.snippets for reason in snippet.reasons]
         chosen = strategy(settings.prompt_strategy, settings.postprocess)
         prompt = self._prompt(engine, site, settings, chosen)
+        metrics.layout = prompt.layout
+        metrics.layout_fallback = settings.fim_layout == "append" and prompt.layout == "classic"
         cache_key = _cache_key(prompt, site.mode, settings, site.suffix)
         cached = self.cache.get(cache_key) if settings.reuse else None
         if cached is not None:
@@ -349,7 +351,8 @@ class Completer:
 
     def _prompt(self, engine: Engine, site: CompletionSite, settings: Settings, chosen: Strategy) -> Prompt:
         template = self.template_for(engine, settings.fim_template)
-        return chosen.prompt(site, template, engine.tokenizer, settings.budget_for(engine.model.max_model_len))
+        budget = settings.budget_for(engine.model.max_model_len)
+        return chosen.prompt(site, template, engine.tokenizer, budget, settings.fim_layout)
 
     async def warm(self, doc: Document, offset: int, settings: Settings, cross_file: CrossFile = NO_CROSS_FILE) -> bool:
         """Prefill the stable part of the prompt at ``offset`` (one output token) so the next real

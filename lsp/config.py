@@ -68,6 +68,10 @@ class Settings:
     cross_file: str = "workspace"
     # Switches for benchmarks that measure what each idea buys (all on for users).
     prompt_strategy: str = "ast"  # "ast": anchored syntax-aware window; "naive": last N lines + next N
+    # Where a prefix-suffix-middle model's prompt puts the text before the cursor: "append" (the
+    # cursor's lines after the middle token, so typing only appends and the suffix stays cached)
+    # or "classic" (all of it before the suffix). context/prompt/builder.py's docstring.
+    fim_layout: str = "append"
     reuse: bool = True  # completion cache, typed-through reuse, attaching to in-flight generations
     warmup: bool = True  # prefill the stable prompt part when a document opens or typing pauses
     prefix_cache: bool = True  # the embedded engine's KV prefix cache (read when the engine starts)
@@ -123,6 +127,7 @@ _LIMITS: dict[str, tuple[type, float | None, float | None]] = {
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "prompt_strategy": ("ast", "naive"),
+    "fim_layout": ("append", "classic"),
     "postprocess": ("syntax", "plain"),
     "cross_file": ("off", "open", "workspace"),
     "engine": ("auto", "vllm", "llamacpp"),

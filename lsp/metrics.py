@@ -25,6 +25,10 @@ class RequestMetrics:
     cache_hit: bool = False
     streamed_tokens: int = 0
     mode: str = ""
+    # The prompt's FIM layout (context.prompt.builder: "append", "classic", "" where they are the
+    # same) and whether "append" was asked for and fell back to "classic".
+    layout: str = ""
+    layout_fallback: bool = False
     truncated: bool = False  # stopped by max_tokens or the deadline, not by the model or syntax
     outcome: str = "ok"  # ok | empty | hidden | cancelled | superseded | error | loading | rate_limited | too_large
     # Why the answer is empty, in words (the step that emptied it); "" when it is not.
@@ -80,7 +84,8 @@ class Metrics:
         self.total = 0
         self.outcomes: dict[str, int] = {}
         self.gate: dict[str, int] = {}  # what the confidence gate did, over all requests
-
+        # The FIM layouts of the prompts sent, over all requests ("append->classic": fell back).
+        self.layouts: dict[str, int] = {}
 
     def record(self, metrics: RequestMetrics) -> None:
         self.recent.append(metrics)
@@ -88,6 +93,9 @@ class Metrics:
         self.outcomes[metrics.outcome] = self.outcomes.get(metrics.outcome, 0) + 1
         if metrics.shown:
             self.gate[metrics.shown] = self.gate.get(metrics.shown, 0) + 1
+        if metrics.layout:
+            layout = "append->classic" if metrics.layout_fallback else metrics.layout
+            self.layouts[layout] = self.layouts.get(layout, 0) + 1
 
     @property
     def last(self) -> RequestMetrics | None:
@@ -107,6 +115,7 @@ class Metrics:
             "requests": self.total,
             "outcomes": dict(self.outcomes),
             "gate": dict(self.gate),
+            "layouts": dict(self.layouts),
             "confidence": dist([m.confidence for m in served if m.confidence is not None]),
             "latency_ms": dist([m.latency_ms for m in served]),
             "ttft_ms": dist([m.ttft_ms for m in served if m.ttft_ms is not None]),
@@ -129,6 +138,8 @@ def prometheus_text(metrics: Metrics, engine: dict[str, Any] | None = None) -> s
     lines += [f'ember_requests_by_outcome_total{{outcome="{k}"}} {v}' for k, v in sorted(metrics.outcomes.items())]
     lines.append("# TYPE ember_suggestions_total counter")
     lines += [f'ember_suggestions_total{{gate="{k}"}} {v}' for k, v in sorted(metrics.gate.items())]
+    lines.append("# TYPE ember_prompts_by_layout_total counter")
+    lines += [f'ember_prompts_by_layout_total{{layout="{k}"}} {v}' for k, v in sorted(metrics.layouts.items())]
     for name in ("latency_ms", "ttft_ms", "kv_reuse"):
         dist = summary[name]
         assert isinstance(dist, dict)

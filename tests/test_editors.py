@@ -30,7 +30,7 @@ HELIX = REPO / "editors" / "helix" / "languages.toml"
 
 # Every setting of the server (lsp/config.py) an editor user may set, except the switches that
 # benchmarks use to measure what each idea buys and the server's own size limit.
-BENCHMARK_SWITCHES = {"promptStrategy", "reuse", "warmup", "prefixCache", "postprocess", "maxDocumentBytes"}
+BENCHMARK_SWITCHES = {"promptStrategy", "fimLayout", "reuse", "warmup", "prefixCache", "postprocess", "maxDocumentBytes"}
 
 
 def server_keys() -> set[str]:

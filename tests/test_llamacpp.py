@@ -36,7 +36,7 @@ from lsp.config import Settings
 from lsp.engine_host import EmberCore
 from tests.conftest import DATA, wait_ready
 from tests.test_daemon import Window, daemon_processes
-from tests.test_server import type_text
+from tests.test_server import inline, type_text
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = (DATA / "inventory.py").read_text()
@@ -401,6 +401,45 @@ async def test_an_editor_gets_completions_reused_prefixes_and_typed_through_answ
         await window.complete_at_end(edited)
         last = (await window.stats())["last_for_uri"]
         assert not last["cache_hit"] and last["kv_reuse"] >= 0.9, last
+    finally:
+        await window.close()
+
+
+async def test_typing_mid_file_prefills_only_what_was_typed_in_the_append_layout(
+    tmp_path: Path, llama_window_args: tuple[str, ...]
+) -> None:
+    """A prefix-suffix-middle template (Qwen's, rendered for the bundled model) typed mid-file,
+    a request every few keys: with the append layout the engine prefills only the typed tail
+    (its own counts: prompt_tokens - cached_tokens), with the classic one the suffix each time."""
+    window = Window(tmp_path, "--daemon", "off", *llama_window_args)
+    uri = "file:///proj/inventory.py"
+    options = {"fimTemplate": "qwen2.5-coder", "reuse": False, "warmup": False, "crossFile": "off"}
+    try:
+        await window.open(options)
+        await wait_ready(window.client, 120)
+        window.did_open(CODE)
+        version, prefilled = 1, {}
+        # A new line after `return self.price * self.quantity` (0-based line 16), then another
+        # after `self.items[item.name] = item` (line 27, one line further down by then).
+        for layout, line in (("append", 16), ("classic", 28)):
+            window.client.workspace_did_change_configuration(
+                types.DidChangeConfigurationParams(settings={"ember": {**options, "fimLayout": layout}})
+            )
+            text_line = CODE.split("\n")[line if layout == "append" else line - 1]
+            version = type_text(window.client, uri, line, len(text_line), "\n", version)
+            typed, counts = "", []
+            for chunk in ("        co", "st = ", "self.p", "rice * ", "2 + sel", "f.quan"):
+                version = type_text(window.client, uri, line + 1, len(typed), chunk, version)
+                typed += chunk
+                await inline(window.client, uri, line + 1, len(typed))
+                last = (await window.stats())["last_for_uri"]
+                assert not last["cache_hit"] and last["prompt_tokens"] > 150, last
+                assert last["layout"] == layout and not last["layout_fallback"], last
+                counts.append(last["prompt_tokens"] - last["cached_tokens"])
+            prefilled[layout] = counts[1:]  # the first request of each prefills the new line's context
+        assert max(prefilled["append"]) <= 8, prefilled
+        assert min(prefilled["classic"]) >= 100, prefilled
+        assert (await window.stats())["layouts"] == {"append": 6, "classic": 6}
     finally:
         await window.close()
 

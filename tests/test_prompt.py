@@ -15,7 +15,15 @@ import time
 import pytest
 
 from context.cut.control_tokens import strip_control_tokens
-from context.prompt.builder import PromptBudget, PromptRequest, anchored_prompt, build_naive_prompt, build_prompt
+from context.prompt.builder import (
+    MIDDLE_STEP_LINES,
+    PromptBudget,
+    PromptRequest,
+    anchored_prompt,
+    build_naive_prompt,
+    build_prompt,
+    heal_middle,
+)
 from context.prompt.fim import PREFIX_ONLY, TEMPLATES, choose_template, neutralize_control_tokens
 from context.prompt.snippets import Snippet, select_snippets
 from context.prompt.window import ApproxCounter, cut_suffix
@@ -282,7 +290,10 @@ def open_doc(language: str, source: str) -> tuple[Document, int]:
     return doc, offset
 
 
-def prompt_at(doc: Document, offset: int, budget: PromptBudget = SMALL, template=PREFIX_ONLY, builder=build_prompt, heal=False):
+def prompt_at(
+    doc: Document, offset: int, budget: PromptBudget = SMALL, template=PREFIX_ONLY, builder=build_prompt, heal=False,
+    layout="append",
+):
     return builder(
         doc.text,
         offset,
@@ -294,6 +305,7 @@ def prompt_at(doc: Document, offset: int, budget: PromptBudget = SMALL, template
         counter=ApproxCounter(),
         budget=budget,
         heal=heal,
+        layout=layout,
     )
 
 
@@ -374,6 +386,12 @@ def test_a_minified_line_is_cut_inside_but_stays_put_while_typing():
     typed = text[:offset] + "g" + text[offset:]
     second = build_prompt(typed, offset + 1, template=TEMPLATES["starcoder2"], budget=budget)
     assert second.window_prefix == first.window_prefix + "g"
+    # A PSM prompt falls back to the classic layout there: the whole window is the cursor's
+    # line, and the FIM prefix would be left empty.
+    qwen = build_prompt(text, offset, template=TEMPLATES["qwen2.5-coder"], budget=budget)
+    assert qwen.layout == "classic" and qwen.text.endswith("<|fim_middle|>")
+    short = build_prompt("x = 1\n" + text[:60], 66, template=TEMPLATES["qwen2.5-coder"], budget=budget)
+    assert short.layout == "append"
 
 
 class RecordingCounter(ApproxCounter):
@@ -468,7 +486,7 @@ TYPED = (
 )
 
 
-def type_through(builder, template=PREFIX_ONLY, budget=PromptBudget(prefix_tokens=400), heal=False):
+def type_through(builder, template=PREFIX_ONLY, budget=PromptBudget(prefix_tokens=400), heal=False, layout="append"):
     text = long_python_file()
     doc = Document("file:///src/long.py", "python", text)
     offset = text.index("    \n    return counts") + 4
@@ -477,7 +495,7 @@ def type_through(builder, template=PREFIX_ONLY, budget=PromptBudget(prefix_token
         line, col = doc.position_at(offset)
         doc.apply_change(ch, ((line, col), (line, col)))
         offset += 1
-        prompts.append(prompt_at(doc, offset, budget, template, builder, heal))
+        prompts.append(prompt_at(doc, offset, budget, template, builder, heal, layout))
     return prompts
 
 
@@ -509,12 +527,62 @@ def test_spm_typing_only_appends(name):
             assert b.text.startswith(a.text[: len(a.text) - len(tail)])
 
 
-def test_psm_keeps_the_prefix_and_only_rewrites_the_suffix_part():
-    prompts = type_through(build_prompt, TEMPLATES["qwen2.5-coder"])
+def test_classic_psm_keeps_the_prefix_and_only_rewrites_the_suffix_part():
+    prompts = type_through(build_prompt, TEMPLATES["qwen2.5-coder"], layout="classic")
+    assert {p.layout for p in prompts} == {"classic"}
     for a, b in zip(prompts, prompts[1:]):
         if a.key.anchor_line == b.key.anchor_line:
             before = a.text[: a.text.index("<|fim_suffix|>")]
             assert b.text.startswith(before)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder", "deepseek-coder", "codellama"])
+def test_append_psm_typing_only_appends(name):
+    """The suffix is prefilled once per step of the middle anchor, not once per keystroke: while
+    typing 200 characters (several lines), each prompt extends the one before it (less the one
+    character that healing holds back) except where the middle anchor moved."""
+    template = TEMPLATES[name]
+    prompts = type_through(build_prompt, template, heal=True)
+    assert {p.layout for p in prompts} == {"append"}
+    moved = extended = 0
+    for a, b in zip(prompts, prompts[1:]):
+        assert b.text.startswith(b.text[: b.stable_chars]) and b.text[: b.stable_chars].endswith(template.middle)
+        if a.text[: a.stable_chars] != b.text[: b.stable_chars]:
+            moved += 1
+            continue
+        extended += 1
+        assert b.text.startswith(a.text[: len(a.text) - len(a.healed)])
+    lines = TYPED[:200].count("\n")
+    assert lines >= 4
+    assert moved <= lines // MIDDLE_STEP_LINES + 2, (moved, lines)
+    assert extended >= len(prompts) - 1 - moved
+
+
+def test_append_layout_moves_the_cursors_lines_after_the_middle_token():
+    doc, offset = open_doc("go", GO)
+    classic = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"], layout="classic")
+    append = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"])
+    head, rest = append.text.split("<|fim_suffix|>")
+    suffix, typed = rest.split("<|fim_middle|>")
+    assert suffix == classic.window_suffix and typed and append.window_prefix.endswith(typed)
+    assert classic.window_prefix == append.window_prefix
+    # The same text in another order: head + typed + suffix is the classic prompt's.
+    assert head + typed + "<|fim_suffix|>" + suffix + "<|fim_middle|>" == classic.text
+    assert append.text[: append.stable_chars] == head + "<|fim_suffix|>" + suffix + "<|fim_middle|>"
+    # SPM and prefix-only layouts have nothing to move.
+    for name in ("starcoder2", "prefix-only"):
+        assert prompt_at(doc, offset, template=TEMPLATES[name]).text == prompt_at(
+            doc, offset, template=TEMPLATES[name], layout="classic"
+        ).text
+
+
+def test_heal_middle_ends_the_prompt_where_a_token_would():
+    assert heal_middle("        ") == ("       ", " ")  # seven spaces, then the model's " word"
+    assert heal_middle("def f():\n\t\t") == ("def f():\n\t", "\t")
+    assert heal_middle("x = 1\n    return ") == ("x = 1\n    return", " ")
+    assert heal_middle("x = 1\n    retu") == ("x = 1\n    retu", "")
+    assert heal_middle("x = 1\n") == ("x = 1\n", "")
+    assert heal_middle("") == ("", "")
 
 
 def test_stable_part_is_a_prefix_of_the_prompt_and_hash_follows_it():
@@ -537,8 +605,11 @@ def test_heal_keeps_the_indentation_of_an_indented_empty_line():
     healed = prompt_at(doc, offset, heal=True)
     assert plain.text.endswith("pi = 3.14\n    ") and plain.healed == ""
     assert healed.text == plain.text and healed.healed == ""
-    qwen = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"], heal=True)
+    qwen = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"], heal=True, layout="classic")
     assert "pi = 3.14\n    <|fim_suffix|>" in qwen.text and qwen.healed == ""
+    # After the middle token the prompt ends where a token would: the last space is the model's.
+    appended = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"], heal=True)
+    assert appended.text.endswith("<|fim_middle|>def area(r):\n    pi = 3.14\n   ") and appended.healed == " "
 
 
 def test_heal_drops_trailing_spaces_after_code_and_tabs():
@@ -570,7 +641,7 @@ def test_healed_prompts_still_only_grow_while_typing(name):
 
 def test_fim_layouts():
     doc, offset = open_doc("go", GO)
-    qwen = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"])
+    qwen = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"], layout="classic")
     star = prompt_at(doc, offset, template=TEMPLATES["starcoder2"])
     mistral = prompt_at(doc, offset, template=TEMPLATES["codestral"])
     assert qwen.window_suffix == star.window_suffix == mistral.window_suffix

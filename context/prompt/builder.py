@@ -5,6 +5,16 @@ for FIM models, the suffix (before everything in SPM order, after the window in 
 header is the file's imports, the scope lines are the first lines of the blocks the window starts
 in (``class Response:``); all of it sits before the cursor's line, so typing only appends.
 
+In PSM order the suffix would follow the cursor, so each keystroke would change the prompt before
+it and the engine would prefill the whole suffix again. The "append" layout (the default) splits
+the window at a *middle anchor* instead: the window up to it is the FIM prefix, and the text from
+it to the cursor follows the middle token, as if the model had written it
+(``<pre>head window<suf>suffix<mid>typed``), so typing only appends here too. The middle anchor
+is the start of a line that moves in steps of :data:`MIDDLE_STEP_LINES` lines from the window's
+anchor: pressing Enter mostly leaves it where it is. "classic" keeps everything before the cursor
+in the FIM prefix (the layout the models were trained on most), the fallback of
+:func:`layout_for`.
+
 The anchor is where the window starts. A window that slides by a line per keystroke invalidates
 every cached KV block after its start, so the anchor is:
 
@@ -32,7 +42,7 @@ import functools
 import hashlib
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from context.prompt.fim import PREFIX_ONLY, FimTemplate, neutralize_control_tokens
@@ -86,6 +96,7 @@ __all__ = [
     "definitions",
     "header_text",
     "heal_cursor_line",
+    "heal_middle",
     "indent_chain",
     "js_imports",
     "line_starts",
@@ -215,6 +226,16 @@ class Prompt:
     # prompt leaves out (the prompt's prefix is ``window_prefix`` without them). Pass it to
     # ``postprocess(..., healed=)`` and ``find_stop(..., healed=)``, which re-align the output.
     healed: str = ""
+    # "append" (the text from the middle anchor after the FIM middle token), "classic", or "" for
+    # layouts where the two are the same (SPM, prefix-only: the cursor's text is last anyway).
+    layout: str = ""
+
+
+# The middle anchor moves in steps of this many lines (see the module docstring): the suffix is
+# prefilled again once per step of typed lines, not once per keystroke.
+MIDDLE_STEP_LINES = 4
+
+LAYOUTS = ("append", "classic")
 
 
 # Windows are sized below the budget so the exact count rarely disagrees (a disagreement costs
@@ -234,6 +255,7 @@ class _Parts:
     window_suffix: str
     anchor_line: int
     cursor_line_start: int  # where the cursor's line starts inside window_prefix
+    middle_start: int  # where the middle anchor is inside window_prefix (<= cursor_line_start)
     scope: tuple[str, ...]
     window_tokens: int
 
@@ -260,6 +282,28 @@ def heal_cursor_line(line: str) -> tuple[str, str]:
     return kept, line[len(kept) :]
 
 
+def heal_middle(typed: str) -> tuple[str, str]:
+    """(the typed text as the "append" layout ends the prompt with it, the part left out).
+
+    After the middle token the prompt ends where the model goes on writing, so it must end where
+    the tokenizer would end a token anyway. Trailing spaces after code are left out as by
+    :func:`heal_cursor_line`. An indented empty line keeps all its indentation but the last
+    space or tab: BPE tokenizers split ``"        x"`` as seven spaces and `` x`` (Qwen's,
+    GPT-2's, Llama 3's pre-tokenizers alike), so a prompt ending in all eight spaces ends in a
+    token that real code never has before a word, and the model answers with a ninth space
+    (seen on every such cursor of a probe with Qwen2.5-Coder-0.5B). The indentation still says
+    which block the model writes in.
+    """
+    line_start = typed.rfind("\n") + 1
+    line = typed[line_start:]
+    kept, healed = heal_cursor_line(line)
+    if healed:
+        return typed[:line_start] + kept, healed
+    if line and not line.strip(" \t"):
+        return typed[:-1], typed[-1]
+    return typed, ""
+
+
 def _assemble(parts: _Parts, request: PromptRequest, snippets_head: str, repository: str = "") -> Prompt:
     """``repository``: the cross-file block in the model's repository format (before the
     template), else ``snippets_head`` (comments, inside the FIM prefix)."""
@@ -269,15 +313,24 @@ def _assemble(parts: _Parts, request: PromptRequest, snippets_head: str, reposit
         return neutralize_control_tokens(part, template)
 
     head = clean(snippets_head + parts.head)
-    # Cleaned apart: a control token never spans a line break, and the split gives the stable part.
-    above = clean(parts.window_prefix[: parts.cursor_line_start])
-    cursor_line, healed = parts.window_prefix[parts.cursor_line_start :], ""
-    if heal:
-        cursor_line, healed = heal_cursor_line(cursor_line)
-    prefix = above + clean(cursor_line)
     before, after = template.split(head, clean(parts.window_suffix))
     before = repository + before
-    stable = before + above
+    layout = request.layout if template.order == "psm" else ""
+    if layout == "append":
+        # Cleaned apart: a control token never spans a line break, and the split gives the stable part.
+        above = clean(parts.window_prefix[: parts.middle_start])
+        typed, healed = parts.window_prefix[parts.middle_start :], ""
+        if heal:
+            typed, healed = heal_middle(typed)
+        stable = before + above + after
+        text = stable + clean(typed)
+    else:
+        above = clean(parts.window_prefix[: parts.cursor_line_start])
+        cursor_line, healed = parts.window_prefix[parts.cursor_line_start :], ""
+        if heal:
+            cursor_line, healed = heal_cursor_line(cursor_line)
+        stable = before + above
+        text = before + above + clean(cursor_line) + after
     key = PrefixKey(
         uri=uri,
         anchor_line=parts.anchor_line,
@@ -285,7 +338,7 @@ def _assemble(parts: _Parts, request: PromptRequest, snippets_head: str, reposit
         stable_hash=hashlib.blake2b(stable.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest(),
     )
     return Prompt(
-        text=before + prefix + after,
+        text=text,
         key=key,
         template=template.name,
         stop=template.stop,
@@ -294,6 +347,7 @@ def _assemble(parts: _Parts, request: PromptRequest, snippets_head: str, reposit
         stable_chars=len(stable),
         extra={"window_tokens": parts.window_tokens, "head_chars": len(head), "anchor_line": parts.anchor_line},
         healed=healed,
+        layout=layout,
     )
 
 
@@ -332,6 +386,8 @@ class PromptRequest:
     cross_file: CrossFile = NO_CROSS_FILE
     heal: bool = False
     memo: TextMemo | None = None
+    # Where a PSM template puts the text before the cursor: one of LAYOUTS (module docstring).
+    layout: str = "append"
 
 
 # Stateless: one instance serves every request that brings no tokenizer (and keeps memo counts).
@@ -420,12 +476,18 @@ def anchored_prompt(request: PromptRequest) -> Prompt:
     suffix = ""
     if request.template.has_fim:
         suffix = cut_suffix(text[offset:], int(budget.suffix_tokens * cpt * _MARGIN))
+    middle_line = window.anchor_line + (len(starts) - 1 - window.anchor_line) // MIDDLE_STEP_LINES * MIDDLE_STEP_LINES
+    if window.start > starts[middle_line]:
+        # The window begins inside the line (minified code): nothing before the cursor's text
+        # would be left for the FIM prefix.
+        request = replace(request, layout="classic")
     parts = _Parts(
         head=header + scope,
         window_prefix=text[window.start : offset],
         window_suffix=suffix,
         anchor_line=window.anchor_line,
         cursor_line_start=max(0, starts[-1] - window.start),
+        middle_start=max(0, starts[middle_line] - window.start),
         scope=scope_names(path),
         window_tokens=window.tokens,
     )
@@ -451,7 +513,9 @@ def _naive_suffix(suffix_text: str, n_lines: int, max_chars: int) -> str:
 
 
 def naive_prompt(request: PromptRequest) -> Prompt:
-    """:func:`build_naive_prompt` with its arguments in one value."""
+    """:func:`build_naive_prompt` with its arguments in one value (always in the classic layout:
+    the baseline has none of ember's ideas)."""
+    request = replace(request, layout="classic")
     counter = request.counter or _APPROX
     text, offset, budget, memo = request.text, request.offset, request.budget, request.memo
     cpt = chars_per_token(text, offset, counter, memo)
@@ -475,6 +539,7 @@ def naive_prompt(request: PromptRequest) -> Prompt:
         window_suffix=suffix,
         anchor_line=first,
         cursor_line_start=max(0, starts[cursor_line] - window_start),
+        middle_start=max(0, starts[cursor_line] - window_start),
         scope=(),
         window_tokens=window_tokens,
     )
@@ -494,13 +559,15 @@ def build_prompt(
     budget: PromptBudget = PromptBudget(),
     snippets: Sequence[Snippet] = (),
     heal: bool = False,
+    layout: str = "append",
 ) -> Prompt:
     """The prompt for a completion at ``offset`` (an index into ``text``).
 
     ``tree`` is the document's tree-sitter tree (``None``: indentation stands in for syntax) and
     ``cursor_byte`` the UTF-8 offset of ``offset`` (computed when missing). ``heal``: end the
     prompt before the spaces/tabs that end the cursor's line (see :func:`heal_cursor_line`);
-    ``Prompt.healed`` says what was left out, for post-processing. Counts without a memo: see
+    ``Prompt.healed`` says what was left out, for post-processing. ``layout``: where a PSM
+    template puts the text before the cursor (the module docstring). Counts without a memo: see
     :func:`anchored_prompt` for the request that brings the document's.
     """
     return anchored_prompt(
@@ -516,6 +583,7 @@ def build_prompt(
             budget=budget,
             cross_file=CrossFile(tuple(snippets)),
             heal=heal,
+            layout=layout,
         )
     )
 

@@ -2,7 +2,10 @@
 
 Order matters for the KV cache: with suffix-prefix-middle (SPM) the text before the cursor sits
 last, so typing only appends to the prompt. Families trained on SPM use it; the others use
-prefix-suffix-middle with a short suffix, which keeps all of the prefix cached anyway.
+prefix-suffix-middle (PSM), where the suffix would follow the cursor and be prefilled again after
+every keystroke. So ember's PSM prompts put the cursor's own lines after the middle token, as the
+start of the middle the model is writing (``<pre>window<suf>suffix<mid>typed``: the "append"
+layout of :mod:`context.prompt.builder`), and typing only appends there too.
 
 Two SPM layouts exist in the wild: BigCode's (StarCoder: ``<pre><suf>suffix<mid>prefix``, the
 "variant 2" of the FIM paper that their training code emits) and Mistral's (``[SUFFIX]suffix

@@ -90,7 +90,9 @@ class Strategy:
     # post-processing, which it goes without.
     heal: bool
 
-    def prompt(self, site: CompletionSite, template: FimTemplate, counter: TokenCounter, budget: PromptBudget) -> Prompt:
+    def prompt(
+        self, site: CompletionSite, template: FimTemplate, counter: TokenCounter, budget: PromptBudget, layout: str = "append"
+    ) -> Prompt:
         request = PromptRequest(
             site.text,
             site.offset,
@@ -104,6 +106,7 @@ class Strategy:
             cross_file=site.cross_file,
             heal=self.heal,
             memo=site.memo,
+            layout=layout,
         )
         return self.builder(request)
 
