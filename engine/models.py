@@ -35,8 +35,70 @@ BUNDLED_SPEC = "bundled"  # what --model / EMBER_MODEL say to ask for the bundle
 # The default code models (base models trained for fill-in-the-middle), by hardware.
 DEFAULT_GPU_MODEL = "Qwen/Qwen2.5-Coder-1.5B"
 DEFAULT_CPU_MODEL = "Qwen/Qwen2.5-Coder-0.5B"
-# llama.cpp's default: the same base model as GGUF, in the quantization llama.vim's presets use.
+# llama.cpp's default when the machine's speed is not known: the same base model as GGUF, in the
+# quantization llama.vim's presets use. Otherwise :func:`choose_cpu_model` picks by speed.
 DEFAULT_GGUF_MODEL = "ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF"
+
+
+@dataclass(frozen=True)
+class CpuModel:
+    """A code model that llama.cpp may serve by default, with its speed per core on a CPU."""
+
+    hub_id: str
+    # Decode tokens/s per thread, and prefill tokens/s per thread, on llama.cpp: measured on a
+    # 2-core AMD EPYC (Qwen2.5-Coder Instruct Q4_K_M: 0.5B decode 30-37 tokens/s and prefill ~100,
+    # 1.5B ~16 and ~50; DESIGN.md). Q8_0 is assumed to decode as fast where compute bounds it.
+    decode_per_core: float
+    prefill_per_core: float
+    # Bytes of weights read per decoded token (the file's size): memory bandwidth caps decoding
+    # at bandwidth / weight_bytes however many cores there are.
+    weight_bytes: int
+
+
+# Smallest first; the rule takes the largest that fits the budget.
+CPU_MODELS = (
+    CpuModel("ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF", 16.5, 50.0, 531_000_000),
+    CpuModel("ggml-org/Qwen2.5-Coder-1.5B-Q8_0-GGUF", 8.0, 25.0, 1_650_000_000),
+)
+# What a first line costs: its tokens decoded, and the tokens prefilled again per request with
+# the append layout (bench/replay.py: a median of a few; context/prompt/builder.py).
+FIRST_LINE_TOKENS = 12
+PREFILL_TOKENS = 16
+# A first line within this, typed mid-file, is what a user of Copilot-like ghost text expects.
+FIRST_LINE_BUDGET_MS = 600.0
+# Memory bandwidth that decoding gets, bytes/s: a laptop's dual-channel DDR5 reads ~60 GB/s, of
+# which a decoding loop gets about two thirds (an estimate, not a measurement).
+DECODE_BANDWIDTH = 40e9
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    hub_id: str
+    reason: str  # in words, for ember/stats and the log
+
+
+def first_line_ms(model: CpuModel, cores: int, decode_tokens_s: float | None = None) -> float:
+    """The typical first line's time on ``cores`` cores: from ``decode_tokens_s`` where it was
+    measured, else estimated from the model's speed per core, capped by memory bandwidth."""
+    decode = decode_tokens_s or min(model.decode_per_core * cores, DECODE_BANDWIDTH / model.weight_bytes)
+    prefill = model.prefill_per_core * cores
+    return 1000 * (FIRST_LINE_TOKENS / decode + PREFILL_TOKENS / prefill)
+
+
+def choose_cpu_model(
+    cores: int, measured: dict[str, float] | None = None, budget_ms: float = FIRST_LINE_BUDGET_MS
+) -> ModelChoice:
+    """The largest of :data:`CPU_MODELS` whose typical first line fits ``budget_ms`` on this
+    machine (the smallest when none does). ``measured``: decode tokens/s seen here, by hub id."""
+    measured = measured or {}
+    costs = {m.hub_id: first_line_ms(m, cores, measured.get(m.hub_id)) for m in CPU_MODELS}
+    fitting = [m for m in CPU_MODELS if costs[m.hub_id] <= budget_ms]
+    chosen = fitting[-1] if fitting else CPU_MODELS[0]
+    how = ", ".join(
+        f"{m.hub_id.split('/')[-1]} {costs[m.hub_id]:.0f} ms ({'measured' if m.hub_id in measured else 'estimated'})"
+        for m in CPU_MODELS
+    )
+    return ModelChoice(chosen.hub_id, f"the largest whose typical first line fits {budget_ms:.0f} ms on {cores} cores: {how}")
 ENGINES = ("vllm", "llamacpp")
 # Replaces the hub id that the default picks (tests point it at a small model on a local hub).
 DEFAULT_MODEL_ENV = "EMBER_DEFAULT_MODEL"
@@ -152,6 +214,15 @@ def choose_engine(requested: str | None, model: str | None, cuda: bool | None = 
     return EngineChoice("llamacpp", "no CUDA GPU: llama.cpp decodes 4-bit GGUF weights faster than vLLM's CPU build")
 
 
+def default_gguf_model() -> ModelChoice:
+    """The model llama.cpp serves when none is named (``$EMBER_DEFAULT_MODEL`` replaces it)."""
+    if override := os.environ.get(DEFAULT_MODEL_ENV):
+        return ModelChoice(override, f"${DEFAULT_MODEL_ENV}")
+    from engine.llamacpp import usable_cores
+
+    return choose_cpu_model(usable_cores())
+
+
 def _gguf_like(spec: str) -> bool:
     path = Path(os.path.expanduser(spec))
     if path.suffix.lower() == ".gguf":
@@ -167,7 +238,9 @@ def resolve_gguf(spec: str | None, progress: LoadProgress | None = None) -> Reso
     default :data:`DEFAULT_GGUF_MODEL`, the bundled model when the hub is out of reach)."""
     progress = progress or LoadProgress()
     if not spec:
-        wanted = os.environ.get(DEFAULT_MODEL_ENV) or DEFAULT_GGUF_MODEL
+        choice = default_gguf_model()
+        wanted = choice.hub_id
+        log.info("default model %s: %s", wanted, choice.reason)
         try:
             return ResolvedModel(str(fetch_hub_gguf(wanted, progress)), wanted, "hub")
         except HubUnreachable as exc:

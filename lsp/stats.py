@@ -51,12 +51,28 @@ def engine_state(ls: EmberServer) -> dict[str, Any]:
         # The embedded engine that serves ("vllm" | "llamacpp") and why; None for a remote server.
         "kind": core.engine_choice.kind if core.engine_choice else None,
         "why": core.engine_choice.reason if core.engine_choice else None,
+        "model_why": model_why(core),
     }
     if engine is not None and engine.engine_args:  # a remote server runs with its own
         state["engine_args"] = engine.engine_args
     if core.engine is not None:
         state["stats"] = core.engine.engine_stats()
     return state
+
+
+def model_why(core: EmberCore) -> str | None:
+    """Why this model serves: the user's, or the default rule's decision (llama.cpp; vLLM's default
+    goes by GPU or CPU); None for a remote server, which serves its own."""
+    choice, named = core.engine_choice, core.engine_settings.model
+    if choice is None:
+        return None
+    if named:
+        return "named by the user (--model / the model setting)"
+    if choice.kind == "llamacpp":
+        from engine.models import default_gguf_model
+
+        return default_gguf_model().reason
+    return "vLLM's default for this hardware (engine.models.default_hub_model)"
 
 
 def budget_stats(settings: Settings, max_model_len: int) -> dict[str, int]:

@@ -113,6 +113,29 @@ def test_the_default_is_a_fill_in_the_middle_code_model_by_hardware() -> None:
     assert (DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL) == ("Qwen/Qwen2.5-Coder-0.5B", "Qwen/Qwen2.5-Coder-1.5B")
 
 
+def test_the_cpu_default_is_the_largest_model_whose_first_line_fits_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's default follows the machine's speed: the 0.5B where the 1.5B's typical first
+    line would not fit the budget (2 cores), the 1.5B where it would (measured, or estimated on
+    more cores); a model the user names, or $EMBER_DEFAULT_MODEL, always wins."""
+    from engine.models import CPU_MODELS, FIRST_LINE_BUDGET_MS, choose_cpu_model, default_gguf_model, first_line_ms
+
+    small, large = (m.hub_id for m in CPU_MODELS)
+    assert choose_cpu_model(2).hub_id == small
+    assert choose_cpu_model(16).hub_id == large
+    # Measured speeds decide over the estimate, each way.
+    assert choose_cpu_model(2, {large: 60.0}).hub_id == large
+    assert choose_cpu_model(16, {large: 5.0}).hub_id == small
+    # Nothing fits: the smallest, and the reason gives each model's cost.
+    slow = choose_cpu_model(1, {small: 2.0, large: 1.0})
+    assert slow.hub_id == small and "measured" in slow.reason and f"{FIRST_LINE_BUDGET_MS:.0f} ms" in slow.reason
+    assert first_line_ms(CPU_MODELS[1], 2) > FIRST_LINE_BUDGET_MS > first_line_ms(CPU_MODELS[0], 2)
+    monkeypatch.setenv("EMBER_DEFAULT_MODEL", "me/mine-GGUF")
+    assert default_gguf_model().hub_id == "me/mine-GGUF"
+    monkeypatch.delenv("EMBER_DEFAULT_MODEL")
+    monkeypatch.setattr("engine.llamacpp.usable_cores", lambda: 8)
+    assert default_gguf_model().hub_id == large
+
+
 def test_ember_model_names_the_embedded_model_and_bundled_is_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.models import resolve_model
     from lsp.cli import parse_args, settings_from_args
