@@ -16,6 +16,7 @@ import pytest
 
 from context.cut.control_tokens import strip_control_tokens
 from context.prompt.builder import (
+    MIDDLE_MAX_LINES,
     MIDDLE_STEP_LINES,
     PromptBudget,
     PromptRequest,
@@ -538,9 +539,10 @@ def test_classic_psm_keeps_the_prefix_and_only_rewrites_the_suffix_part():
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder", "deepseek-coder", "codellama"])
 def test_append_psm_typing_only_appends(name):
-    """The suffix is prefilled once per step of the middle anchor, not once per keystroke: while
-    typing 200 characters (several lines), each prompt extends the one before it (less the one
-    character that healing holds back) except where the middle anchor moved."""
+    """The suffix is prefilled once per body, not once per keystroke: while typing 200 characters
+    of a function body (seven lines, nested blocks and dedents among them), each prompt extends
+    the one before it (less the one character that healing holds back): the middle anchor stays
+    at the body's start."""
     template = TEMPLATES[name]
     prompts = type_through(build_prompt, template, heal=True)
     assert {p.layout for p in prompts} == {"append"}
@@ -552,10 +554,25 @@ def test_append_psm_typing_only_appends(name):
             continue
         extended += 1
         assert b.text.startswith(a.text[: len(a.text) - len(a.healed)])
-    lines = TYPED[:200].count("\n")
-    assert lines >= 4
-    assert moved <= lines // MIDDLE_STEP_LINES + 2, (moved, lines)
-    assert extended >= len(prompts) - 1 - moved
+    assert TYPED[:200].count("\n") >= 4 and moved <= 1, moved  # at most the window's own anchor moved
+    assert extended >= len(prompts) - 2
+    assert all("<|fim_middle|>    counts: dict[str, int] = {}\n" in p.text for p in prompts if name == "qwen2.5-coder")
+
+
+def test_append_middle_anchor_moves_in_steps_outside_a_short_body():
+    """Top-level code, or a body begun more than MIDDLE_MAX_LINES above the cursor: the middle
+    starts at a line that moves every MIDDLE_STEP_LINES lines."""
+    qwen = TEMPLATES["qwen2.5-coder"]
+    top = "".join(f"x{i} = {i}\n" for i in range(40))
+    middles = []
+    for n in range(20, 30):
+        text = top[: top.index(f"x{n} =")] + "y"
+        prompt = build_prompt(text, len(text), template=qwen, counter=ApproxCounter())
+        middles.append(prompt.text.split("<|fim_middle|>")[1].split("\n")[0])
+    assert len(set(middles)) <= -(-10 // MIDDLE_STEP_LINES) + 1 and len(set(middles)) >= 2, middles
+    body = "def f():\n" + "".join(f"    x{i} = {i}\n" for i in range(MIDDLE_MAX_LINES + 6)) + "    y"
+    prompt = build_prompt(body, len(body), template=qwen, counter=ApproxCounter())
+    assert not prompt.text.split("<|fim_middle|>")[1].startswith("    x0 = 0")  # the body began too far up
 
 
 def test_append_layout_moves_the_cursors_lines_after_the_middle_token():
@@ -609,7 +626,7 @@ def test_heal_keeps_the_indentation_of_an_indented_empty_line():
     assert "pi = 3.14\n    <|fim_suffix|>" in qwen.text and qwen.healed == ""
     # After the middle token the prompt ends where a token would: the last space is the model's.
     appended = prompt_at(doc, offset, template=TEMPLATES["qwen2.5-coder"], heal=True)
-    assert appended.text.endswith("<|fim_middle|>def area(r):\n    pi = 3.14\n   ") and appended.healed == " "
+    assert appended.text.endswith("<|fim_middle|>    pi = 3.14\n   ") and appended.healed == " "
 
 
 def test_heal_drops_trailing_spaces_after_code_and_tabs():

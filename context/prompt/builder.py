@@ -10,10 +10,11 @@ it and the engine would prefill the whole suffix again. The "append" layout (the
 the window at a *middle anchor* instead: the window up to it is the FIM prefix, and the text from
 it to the cursor follows the middle token, as if the model had written it
 (``<pre>head window<suf>suffix<mid>typed``), so typing only appends here too. The middle anchor
-is the start of a line that moves in steps of :data:`MIDDLE_STEP_LINES` lines from the window's
-anchor: pressing Enter mostly leaves it where it is. "classic" keeps everything before the cursor
-in the FIM prefix (the layout the models were trained on most), the fallback of
-:func:`layout_for`.
+is the start of the body being typed (the outermost block around the cursor whose body begins at
+most :data:`MIDDLE_MAX_LINES` lines above it), else a line start that moves in steps of
+:data:`MIDDLE_STEP_LINES` lines from the window's anchor: pressing Enter leaves it where it is.
+"classic" keeps everything before the cursor in the FIM prefix; the append layout falls back to
+it where the window begins inside the cursor's line (nothing would be left for the FIM prefix).
 
 The anchor is where the window starts. A window that slides by a line per keystroke invalidates
 every cached KV block after its start, so the anchor is:
@@ -231,8 +232,10 @@ class Prompt:
     layout: str = ""
 
 
-# The middle anchor moves in steps of this many lines (see the module docstring): the suffix is
-# prefilled again once per step of typed lines, not once per keystroke.
+# The middle anchor (see the module docstring) is the start of the body being typed while that is
+# at most MIDDLE_MAX_LINES above the cursor, else it moves in steps of MIDDLE_STEP_LINES lines: the
+# suffix is prefilled again once per body or step, not once per keystroke.
+MIDDLE_MAX_LINES = 12
 MIDDLE_STEP_LINES = 4
 
 LAYOUTS = ("append", "classic")
@@ -401,6 +404,7 @@ class _Window:
     anchor_line: int
     start: int
     tokens: int
+    enclosing: tuple[int, ...]  # the lines that open the blocks around the cursor, outermost first
 
 
 def _anchored_window(request: PromptRequest, counter: TokenCounter, cpt: float, starts: Sequence[int]) -> _Window:
@@ -432,7 +436,20 @@ def _anchored_window(request: PromptRequest, counter: TokenCounter, cpt: float, 
     window_start = starts[anchor_line]
     if window_tokens > budget.prefix_tokens:
         window_start, window_tokens = _long_line_start(text, window_start, offset, counter, budget.prefix_tokens, cpt)
-    return _Window(anchor_line, window_start, window_tokens)
+    return _Window(anchor_line, window_start, window_tokens, tuple(enclosing))
+
+
+def _middle_line(cursor_line: int, window: _Window) -> int:
+    """Where the append layout's middle starts: the body of the outermost block around the cursor
+    that begins at most :data:`MIDDLE_MAX_LINES` lines above it (so that a function body typed
+    line by line, nested blocks included, keeps it), else a line that moves in steps of
+    :data:`MIDDLE_STEP_LINES` from the window's anchor."""
+    for opener in window.enclosing:
+        body = opener + 1
+        if window.anchor_line <= body <= cursor_line and cursor_line - body <= MIDDLE_MAX_LINES:
+            return body
+    steps = (cursor_line - window.anchor_line) // MIDDLE_STEP_LINES
+    return window.anchor_line + steps * MIDDLE_STEP_LINES
 
 
 def _scope_path(request: PromptRequest, starts: Sequence[int]) -> list[Node]:
@@ -476,7 +493,7 @@ def anchored_prompt(request: PromptRequest) -> Prompt:
     suffix = ""
     if request.template.has_fim:
         suffix = cut_suffix(text[offset:], int(budget.suffix_tokens * cpt * _MARGIN))
-    middle_line = window.anchor_line + (len(starts) - 1 - window.anchor_line) // MIDDLE_STEP_LINES * MIDDLE_STEP_LINES
+    middle_line = _middle_line(len(starts) - 1, window)
     if window.start > starts[middle_line]:
         # The window begins inside the line (minified code): nothing before the cursor's text
         # would be left for the FIM prefix.
