@@ -17,12 +17,16 @@ closed. The completion is compared with ``middle``:
 * latency: the server's ``latency_ms`` for the request (``ember/stats`` ``last_for_uri``), p50/p95.
 
 One server runs per strategy (``--strategy`` repeated compares them on the same cases): ``ast``
-(ember as built), ``naive`` (the last-lines prompt, ember's post-processing: what the prompt
+(ember as built), ``classic`` (ember with ``fimLayout: "classic"``: a prefix-suffix-middle model
+gets everything before the cursor before the suffix, the layout before "append"), ``naive`` (the last-lines prompt, ember's post-processing: what the prompt
 buys) and ``plain`` (the naive prompt and the model's text cut at line breaks only: what
 post-processing by syntax buys). The servers run side by side and take turns case by case, so
 that their latencies see the same load. ``--concurrency N`` keeps N cases in flight per server
 (the engine batches them): a full dev-set run takes a fraction of the time, the scores are those
 of greedy decoding all the same, but latencies include queueing.
+``--typed K`` moves each cursor K characters into the first line of code of its middle (past its
+indentation, where the line is longer than that), as if the user had typed them: cursors inside
+words and after operators, where the end of the prompt meets the model's first token.
 ``--repo-cuts`` adds cases cut from pinned releases of real projects (PyPI sdists of requests and
 flask, the npm tarball of express), like llm-ls's testbed: one line cut at its first non-blank
 character (``repo-line``), and multi-line function bodies (``repo-body``).
@@ -52,7 +56,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +146,8 @@ class Record:
     kept_tokens: int | None = None
     logprob_min: float | None = None
     logprob_mean: float | None = None
+    layout: str | None = None
+    layout_fallback: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------- cases
@@ -157,6 +163,17 @@ def load_cases(path: Path) -> list[Case]:
                     Case(d["id"], d["source"], d["language"], d["prefix"], d["suffix"], d["middle"], path.stem)
                 )
     return cases
+
+
+def typed_into(case: Case, k: int) -> Case:
+    """``case`` with its cursor ``k`` characters into the middle's first line of code, past that
+    line's indentation (unchanged where the line has no more than ``k`` characters of code)."""
+    first = case.middle.split("\n", 1)[0]
+    code = first.lstrip(" \t")
+    if len(code.rstrip()) <= k:
+        return case
+    cut = len(first) - len(code) + k
+    return replace(case, prefix=case.prefix + case.middle[:cut], middle=case.middle[cut:])
 
 
 def sample(cases: list[Case], limit: int | None, seed: int = SEED) -> list[Case]:
@@ -437,6 +454,8 @@ def score(case: Case, completion: str, strategy: str, last: dict[str, Any], clie
         kept_tokens=last.get("kept_tokens"),
         logprob_min=last.get("logprob_min"),
         logprob_mean=last.get("logprob_mean"),
+        layout=last.get("layout"),
+        layout_fallback=last.get("layout_fallback"),
     )
 
 
@@ -663,7 +682,8 @@ def server_options(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     options: dict[str, Any] = {
         "maxTokens": args.max_tokens,
         "timeoutMs": args.timeout_ms,
-        "promptStrategy": "ast" if strategy == "ast" else "naive",
+        "promptStrategy": "ast" if strategy in ("ast", "classic") else "naive",
+        "fimLayout": "classic" if strategy == "classic" else "append",
         "postprocess": "plain" if strategy == "plain" else "syntax",
         "warmup": bool(args.warmup),
         # Off by default: with a prefix-only model, cases that share a prefix would be answered
@@ -721,12 +741,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip", type=int, help="leave out the cases that --limit SKIP would choose (the next slice of a larger --limit)"
     )
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--typed", type=int, default=0, metavar="K",
+                        help="move each cursor K characters into its middle's first line of code (default 0)")
     add_model_args(parser, "smollm2", engine_args=False)
     parser.add_argument(
         "--strategy",
         action="append",
-        choices=["ast", "naive", "plain"],
-        help="ast: ember as built; naive: the naive prompt, ember's post-processing; plain: the naive prompt and "
+        choices=["ast", "classic", "naive", "plain"],
+        help="ast: ember as built; classic: ember with fimLayout classic; naive: the naive prompt, ember's post-processing; plain: the naive prompt and "
         "output cut at line breaks only (repeat to compare)",
     )
     parser.add_argument(
@@ -777,6 +799,8 @@ def select_cases(args: argparse.Namespace) -> tuple[list[Case], list[str]]:
         done = {(c.source, c.id) for c in sample(cases, args.skip, args.seed)} if args.skip else set()
         selected += [c for c in sample(cases, args.limit, args.seed) if (c.source, c.id) not in done]
         inputs.append(str(path))
+    if args.typed:
+        selected = [typed_into(case, args.typed) for case in selected]
     if args.repo_cuts:
         cut, used = repo_cases(args.repo_cases, args.seed)
         selected += sample(cut, args.limit, args.seed)

@@ -21,6 +21,7 @@ text, so both configurations see the same typing wherever their suggestions allo
 
 Configurations, each its own ``python -m lsp --stdio`` process:
   ember: as built (anchored AST prompt, reuse, warm-up)
+  classic: ember with ``fimLayout: "classic"`` (a PSM model's suffix after the cursor's text)
   off:   ``reuse: false, warmup: false, promptStrategy: "naive"`` (vLLM's own prefix cache still on,
          as vLLM defaults: its hits are what the naive prompt gets by luck)
   cold:  off, and ``prefixCache: false`` (no KV reuse at all: every request prefills its prompt)
@@ -89,6 +90,9 @@ SOURCES: tuple[tuple[str, str], ...] = (
 )
 CONFIGS: dict[str, dict[str, Any]] = {
     "ember": {"reuse": True, "warmup": True, "promptStrategy": "ast"},
+    # ember with a prefix-suffix-middle model's prompt in the layout before "append": each
+    # keystroke changes the prompt before the suffix.
+    "classic": {"reuse": True, "warmup": True, "promptStrategy": "ast", "fimLayout": "classic"},
     "off": {"reuse": False, "warmup": False, "promptStrategy": "naive"},
     # off, and the engine's KV prefix cache off too: every request prefills its whole prompt.
     "cold": {"reuse": False, "warmup": False, "promptStrategy": "naive", "prefixCache": False},
@@ -440,6 +444,13 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     ttft = [m["ttft_ms"] for m in ms if m.get("ttft_ms") is not None]
     reuse = [m["kv_reuse"] for m in ms if m.get("kv_reuse") is not None]
     overhead = [m["latency_ms"] - m["engine_ms"] for m in generated]
+    prefilled = [float(m["prompt_tokens"] - m["cached_tokens"]) for m in generated if m.get("prompt_tokens")]
+    # The same while typing: without each body's first request, which follows the body's deletion.
+    typing = [
+        float(r.metrics["prompt_tokens"] - r.metrics["cached_tokens"])
+        for r in records
+        if r.kind != "open" and not r.metrics.get("cache_hit") and r.metrics.get("engine_ms", 0) > 0 and r.metrics.get("prompt_tokens")
+    ]
     outcomes: dict[str, int] = {}
     for m in ms:
         outcomes[m.get("outcome", "?")] = outcomes.get(m.get("outcome", "?"), 0) + 1
@@ -462,6 +473,12 @@ def summarize(records: list[Record]) -> dict[str, Any]:
         "generated_latency_ms": p50_p95([m["latency_ms"] for m in generated]),
         "kv_reuse": {"median": percentile(reuse, 0.5), "p10": percentile(reuse, 0.10), "n": len(reuse)},
         "prompt_tokens_median": percentile([m["prompt_tokens"] for m in generated], 0.5),
+        # Tokens the engine prefilled for each generated request: its prompt less its cache hits.
+        "prefilled_tokens": {
+            "median": percentile(prefilled, 0.5), "p90": percentile(prefilled, 0.9), "n": len(prefilled),
+        },
+        "prefilled_tokens_typing": {"median": percentile(typing, 0.5), "p90": percentile(typing, 0.9), "n": len(typing)},
+        "layouts": {layout: sum(m.get("layout") == layout for m in generated) for layout in {m.get("layout") for m in generated}},
         "cache_hit_rate": (sum(bool(m.get("cache_hit")) for m in ms) / len(ms)) if ms else None,
         "overhead_ms": {**p50_p95(overhead), "n": len(overhead)},
         "along": {
@@ -487,6 +504,8 @@ def print_table(summaries: dict[str, dict[str, Any]]) -> None:
         ("generated: latency p50 / p95", lambda s: f"{fmt(s['generated_latency_ms']['p50'])} / {fmt(s['generated_latency_ms']['p95'])}"),
         ("kv_reuse median (p10)", lambda s: f"{fmt(s['kv_reuse']['median'], '.3f')} ({fmt(s['kv_reuse']['p10'], '.2f')})"),
         ("prompt_tokens median", lambda s: fmt(s["prompt_tokens_median"])),
+        ("prefilled tokens median / p90", lambda s: f"{fmt(s['prefilled_tokens']['median'])} / {fmt(s['prefilled_tokens']['p90'])}"),
+        ("  typing (not a body's first)", lambda s: f"{fmt(s['prefilled_tokens_typing']['median'])} / {fmt(s['prefilled_tokens_typing']['p90'])}"),
         ("cache_hit rate", lambda s: fmt(s["cache_hit_rate"], ".2f")),
         ("overhead ms p50 / p95", lambda s: f"{fmt(s['overhead_ms']['p50'], '.1f')} / {fmt(s['overhead_ms']['p95'], '.1f')}"),
         ("server CPU ms / request", lambda s: fmt(s.get("server_cpu_ms_per_request"), ".1f")),
