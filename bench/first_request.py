@@ -28,7 +28,7 @@ import httpx
 from lsprotocol import types
 
 from bench.harness import RESULTS, ROOT, Ember, ember_command, fmt, table, write_results
-from tests.conftest import free_port
+from tests.load_driver import free_port
 
 SERVED = "smol"
 

@@ -41,13 +41,14 @@ seed, the same keystrokes and pauses, the same ``--max-tokens``):
     same kind of text; ``repeat_penalty: 1.0`` because that is llama.cpp server's default
     (llama-cpp-python's is 1.1). ``stream: true`` although llama.vim does not stream: a streamed
     first token is the best case for the peer (llama.vim itself shows text only at the end).
-  - TEXT is, by default (``--peer-prompt ember``), exactly the prompt ember builds for that
-    cursor (``lsp.completer.Completer.prompt_for`` on a document kept in sync key by key, the same
-    tokenizer, template and budgets), so that the comparison is about the serving stack, not about
-    prompts. ``--peer-prompt llama.vim`` renders llama.vim's own layout instead, as llama.cpp's
-    ``format_infill`` would: ``[FIM_PRE] prefix prompt [FIM_SUF] suffix [FIM_MID]`` with the prefix
+  - TEXT is, by default (``--peer-prompt llama.vim``, since issue 53), llama.vim's own layout, as
+    llama.cpp's ``format_infill`` would render it: ``[FIM_PRE] prefix prompt [FIM_SUF] suffix [FIM_MID]`` with the prefix
     cut to its last 768 tokens and the suffix to 254 minus the prompt's tokens (n_batch 1024), or
     just ``prefix prompt`` for a model without FIM tokens (where llama.cpp's /infill refuses).
+    ``--peer-prompt ember`` sends the prompt ember builds for that cursor instead
+    (``lsp.completer.Completer.prompt_for`` on a document kept in sync key by key, the same
+    tokenizer, template and budgets) in its *classic* layout (``fimLayout: "classic"``): the
+    comparison is then about the serving stack and ember's append layout, not the window.
   - llama.vim's result cache: a completion is stored under a hash of (prefix, prompt, suffix); a
     request whose hash is stored, or whose text up to 10 characters back is stored with a
     completion that starts with the characters typed since, is answered from it at once.
@@ -120,7 +121,7 @@ from bench.harness import (
 )  # fmt: skip
 from bench.prompt_stability import read_sources
 from bench.replay import SOURCES, Body, Editor, pick_bodies, replayed, type_body
-from tests.conftest import free_port
+from tests.load_driver import free_port
 from context.prompt.fim import FimTemplate, choose_template
 from context.source.document import Document
 from engine.base import ModelInfo
@@ -477,7 +478,9 @@ class PromptSource:
         # Completer.prompt_for only reads engine.model and engine.tokenizer.
         self.engine = SimpleNamespace(model=ModelInfo(model.folder.name, N_CTX, special), tokenizer=self.tokenizer)
         self.completer = Completer(lambda: None, Metrics())
-        self.settings = Settings(max_tokens=max_tokens)
+        # The peer gets ember's prompt in the layout before "append": the new layout is ember's, not
+        # something the peer would send.
+        self.settings = Settings(max_tokens=max_tokens, fim_layout="classic")
 
     def ember(self, doc: Document, offset: int) -> tuple[str, tuple[str, ...]]:
         prompt = self.completer.prompt_for(self.engine, doc, offset, self.settings)  # type: ignore[arg-type]
@@ -914,7 +917,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(KNOWN_CONFIGS)}")
     p.add_argument("--model", choices=MODELS[:2], default="smollm2")
     p.add_argument("--peer-server", choices=PEER_SERVERS, default="llama-server", help="the peer's server (default llama-server)")
-    p.add_argument("--peer-prompt", choices=("ember", "llama.vim"), default="ember", help="prompt text of `peer` (peer-vim always uses llama.vim's)")
+    p.add_argument("--peer-prompt", choices=("ember", "llama.vim"), default="llama.vim", help="prompt text of `peer`: llama.vim's layout (default), or ember's in its classic layout (peer-vim always uses llama.vim's)")
     p.add_argument("--requests", type=int, default=40, help="requests per configuration (default 40)")
     p.add_argument("--max-tokens", type=int, default=32, help="most tokens per completion, all stacks (default 32)")
     p.add_argument("--timeout-ms", type=int, default=60000, help="ember's per-completion deadline (a third of it: the remote engine's first-token timeout)")

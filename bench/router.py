@@ -53,7 +53,7 @@ import bootstrap  # noqa: F401 - python bench/X.py: the checkout on sys.path
 import httpx
 
 from bench.harness import RESULTS, Ember, ember_command, fmt, percentile, plain, write_results
-from tests.conftest import free_port
+from tests.load_driver import free_port
 from bench.prompt_stability import read_sources
 from bench.replay import SOURCES, Body, Editor, Record, pick_bodies, replayed, type_body
 from engine.routing import metric_sum, parse_prometheus

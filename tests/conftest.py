@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
-from tests.load_driver import plain
+from tests.load_driver import free_port, plain  # free_port: the tests import it from here too
 
 # Every ember the tests start (also through editors' configs, which launch plain `ember`) serves
 # the bundled model: no test may reach for a model hub or wait on its timeout (and should one
@@ -64,13 +63,6 @@ def factorial(n):
         return 1
 '''
 EDITOR_TYPED = "    return n * "
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ember_executable() -> str:

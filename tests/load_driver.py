@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import random
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,14 @@ SOURCES = ("lsp", "context", "engine", "bench", "tests")
 REQUEST_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 900.0
 MIB = 1024 * 1024
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now (here, not in conftest.py: benchmarks import
+    it, and conftest.py sets the test suite's environment when imported)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def chance(seed: int, *where: object) -> random.Random:
