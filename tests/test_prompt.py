@@ -600,6 +600,11 @@ def test_heal_middle_ends_the_prompt_where_a_token_would():
     assert heal_middle("x = 1\n    retu") == ("x = 1\n    retu", "")
     assert heal_middle("x = 1\n") == ("x = 1\n", "")
     assert heal_middle("") == ("", "")
+    # A lone mark joins the word after it ("(a", ".name"): the model writes it; a run does not.
+    assert heal_middle("\t\tif(") == ("\t\tif", "(")
+    assert heal_middle("    x = self.") == ("    x = self", ".")
+    assert heal_middle("    f((") == ("    f((", "")
+    assert heal_middle("    return x ->") == ("    return x ->", "")
 
 
 def test_stable_part_is_a_prefix_of_the_prompt_and_hash_follows_it():

@@ -238,8 +238,6 @@ class Prompt:
 MIDDLE_MAX_LINES = 12
 MIDDLE_STEP_LINES = 4
 
-LAYOUTS = ("append", "classic")
-
 
 # Windows are sized below the budget so the exact count rarely disagrees (a disagreement costs
 # extra tokenizer calls and a shift of the anchor).
@@ -295,7 +293,10 @@ def heal_middle(typed: str) -> tuple[str, str]:
     GPT-2's, Llama 3's pre-tokenizers alike), so a prompt ending in all eight spaces ends in a
     token that real code never has before a word, and the model answers with a ninth space
     (seen on every such cursor of a probe with Qwen2.5-Coder-0.5B). The indentation still says
-    which block the model writes in.
+    which block the model writes in. A lone punctuation mark at the end (``if(``, ``self.``) is
+    left out too: the same pre-tokenizers join it with the word after it (``(a``, ``.name``), so
+    a prompt that ends in it alone makes the model start with a space (`` a[j]`` after ``if(``,
+    seen on SAFIM's control cases); the model writes it again and post-processing drops its copy.
     """
     line_start = typed.rfind("\n") + 1
     line = typed[line_start:]
@@ -304,7 +305,17 @@ def heal_middle(typed: str) -> tuple[str, str]:
         return typed[:line_start] + kept, healed
     if line and not line.strip(" \t"):
         return typed[:-1], typed[-1]
+    if _lone_mark(line):
+        return typed[:-1], typed[-1]
     return typed, ""
+
+
+def _lone_mark(line: str) -> bool:
+    """Whether ``line`` ends in one punctuation mark after a word, a digit or a space (a run of
+    marks, ``((`` or ``->``, is a token of its own)."""
+    if not line or line[-1].isalnum() or line[-1] in " \t_":
+        return False
+    return len(line) == 1 or line[-2].isalnum() or line[-2] in " \t_"
 
 
 def _assemble(parts: _Parts, request: PromptRequest, snippets_head: str, repository: str = "") -> Prompt:
@@ -389,7 +400,7 @@ class PromptRequest:
     cross_file: CrossFile = NO_CROSS_FILE
     heal: bool = False
     memo: TextMemo | None = None
-    # Where a PSM template puts the text before the cursor: one of LAYOUTS (module docstring).
+    # Where a PSM template puts the text before the cursor: "append" or "classic" (module docstring).
     layout: str = "append"
 
 
