@@ -35,9 +35,8 @@ BUNDLED_SPEC = "bundled"  # what --model / EMBER_MODEL say to ask for the bundle
 # The default code models (base models trained for fill-in-the-middle), by hardware.
 DEFAULT_GPU_MODEL = "Qwen/Qwen2.5-Coder-1.5B"
 DEFAULT_CPU_MODEL = "Qwen/Qwen2.5-Coder-0.5B"
-# llama.cpp's default when the machine's speed is not known: the same base model as GGUF, in the
-# quantization llama.vim's presets use. Otherwise :func:`choose_cpu_model` picks by speed.
-DEFAULT_GGUF_MODEL = "ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF"
+# llama.cpp's default is chosen by the machine's speed (:func:`choose_cpu_model`) among the same
+# base models as GGUF, in the quantization llama.vim's setups use.
 
 
 @dataclass(frozen=True)
@@ -235,7 +234,7 @@ def _gguf_like(spec: str) -> bool:
 def resolve_gguf(spec: str | None, progress: LoadProgress | None = None) -> ResolvedModel:
     """What llama.cpp loads, as :func:`resolve_model` does for vLLM, but a GGUF file, unconverted:
     the bundled one, a ``.gguf`` file, one in a folder, or one from a GGUF repo on the hub (the
-    default :data:`DEFAULT_GGUF_MODEL`, the bundled model when the hub is out of reach)."""
+    default :func:`default_gguf_model`, the bundled model when the hub is out of reach)."""
     progress = progress or LoadProgress()
     if not spec:
         choice = default_gguf_model()
