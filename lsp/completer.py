@@ -131,7 +131,7 @@ class DocumentState:
     suggestion: tuple[Cursor, Answer] | None = None
     running: Running | None = None
     typing: Typing = field(default_factory=Typing)
-    warmup: asyncio.Task[None] | None = None
+    warmup: asyncio.Task[None] | asyncio.TimerHandle | None = None  # a timer until the pause has passed
     retrieved: tuple[Hashable, CrossFile] | None = None  # (what it was retrieved for, the context)
     retrieving: asyncio.Task[CrossFile] | None = None
 

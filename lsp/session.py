@@ -184,14 +184,17 @@ class EmberServer(LanguageServer):
             state.warmup = None
         if not self.settings.warmup:
             return
+        # A timer, not a task that sleeps: a keystroke cancels a handle, and a session that ends
+        # during the pause leaves no coroutine that never ran.
+        state.warmup = asyncio.get_running_loop().call_later(delay_s, self.start_warmup, state, offset)
 
-        async def later() -> None:
-            await asyncio.sleep(delay_s)
+    def start_warmup(self, state: DocumentState, offset: int) -> None:
+        async def warm() -> None:
             if self.core.check_engine():
                 doc = state.document
                 await self.core.completer.warm(doc, offset, self.settings, await self.cross_file(state, offset))
 
-        state.warmup = asyncio.ensure_future(later())
+        state.warmup = asyncio.ensure_future(warm())
 
     def snippet_chars(self) -> int:
         engine = self.core.engine

@@ -688,4 +688,39 @@ async def test_closing_a_document_or_shutting_down_leaves_nothing_behind(engine:
     await asyncio.gather(asking, return_exceptions=True)
     await settle()
     assert not core.completer.busy
-    assert all(task is None or task.done() for s in first.open.values() for task in (s.warmup, s.retrieving))
+    assert all(task is None or (task.cancelled() if isinstance(task, asyncio.TimerHandle) else task.done())
+               for s in first.open.values() for task in (s.warmup, s.retrieving))
+
+
+def test_a_session_ending_during_the_typing_pause_leaves_no_coroutine_that_never_ran(engine: ScriptedEngine) -> None:
+    """The warm-up waits for a pause in typing; when the editor goes away first (the loop stops
+    right after the document opened and was typed in), nothing is left that Python reports as
+    never awaited."""
+    import gc
+    import warnings
+
+    from lsprotocol import types
+
+    from lsp.engine_host import EmberCore
+    from lsp.server import WARMUP_PAUSE_S, build_server, did_open
+    from tests.test_pygls_fence import INITIALIZE, Sink, feed
+
+    loop = asyncio.new_event_loop()
+
+    def opened_then_gone() -> None:
+        core = EmberCore(Settings(debounce_ms=0, early_answer_ms=0), lambda settings, progress: engine)
+        ls = build_server(core, exit_process=False)
+        ls.protocol.set_writer(Sink())
+        feed(ls, INITIALIZE)
+        item = types.TextDocumentItem(uri="file:///area.py", language_id="python", version=1, text=AREA)
+        did_open(ls, types.DidOpenTextDocumentParams(item))  # type: ignore[arg-type]
+        ls.schedule_warmup(ls.open["file:///area.py"], AREA_CURSOR, delay_s=WARMUP_PAUSE_S)
+        loop.stop()  # the loop ends after this callback: what it scheduled never runs
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop.call_soon(opened_then_gone)
+        loop.run_forever()
+        loop.close()
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
