@@ -1,7 +1,8 @@
 """Is ember as fast as what a CPU user would run instead? llama.cpp's server driven the way llama.vim
 drives it, on the same model, in one run, through the same typing replay as bench/replay.py.
 
-    .venv/bin/python bench/peer.py [--requests 40] [--model smollm2|qwen-coder] [--configs ...]
+    .venv/bin/python bench/peer.py [--requests 40] [--model smollm2|qwen-coder|qwen-coder-1.5b] [--configs ...]
+    .venv/bin/python bench/peer.py --model qwen-coder --configs peer,ember-llamacpp,peer-ember --requests 260
     .venv/bin/python bench/peer.py --model qwen-coder --configs ember,ember-llamacpp,ember-llamacpp:qwen-coder-1.5b
     .venv/bin/python bench/peer.py --setup          # only for --peer-server llama-cpp-python (~15-25 min)
 
@@ -12,7 +13,14 @@ at the same thing. So the question measured here is what the user sees: how long
 does the first visible character arrive at the editor, and when is the first line complete.
 
 Configurations (``--configs``, interleaved body by body as in bench/replay.py, each with the same
-seed, the same keystrokes and pauses, the same ``--max-tokens``):
+seed, the same keystrokes and pauses, the same ``--max-tokens``) type the bodies of ``--sources``:
+by default ``unseen``, a file from each of eight packages that no other ember benchmark reads
+(``UNSEEN``: attrs, httpx, packaging, pygments, h11, tomlkit, pluggy, rich), two mid-file bodies
+each (at least 1,200 characters follow them: the suffix at its budget in both stacks) and the last
+body at the end of the file (under 300 characters follow; rich's file has none). The same-cursor
+pairs are reported for mid-file bodies and ends of files apart, and checked against issue 53's
+goals (``PAIRED_GOALS``: generated first line p50 <= 0.6x the peer's mid-file and <= 0.9x at the
+ends of files, first visible text <= 0.9x; at least 100 generated pairs).
 
 * ``peer``: llama.cpp's ``llama-server``, the server llama.vim talks to: the binary ember builds
   (:mod:`engine.llama_build`: llama-cpp-python 0.3.36's vendored llama.cpp, AVX2/FMA/F16C and
@@ -45,7 +53,8 @@ seed, the same keystrokes and pauses, the same ``--max-tokens``):
     llama.cpp's ``format_infill`` would render it: ``[FIM_PRE] prefix prompt [FIM_SUF] suffix [FIM_MID]`` with the prefix
     cut to its last 768 tokens and the suffix to 254 minus the prompt's tokens (n_batch 1024), or
     just ``prefix prompt`` for a model without FIM tokens (where llama.cpp's /infill refuses).
-    ``--peer-prompt ember`` sends the prompt ember builds for that cursor instead
+    ``--peer-prompt ember`` (or the configuration ``peer-ember``, a second peer row beside
+    ``peer``) sends the prompt ember builds for that cursor instead
     (``lsp.completer.Completer.prompt_for`` on a document kept in sync key by key, the same
     tokenizer, template and budgets) in its *classic* layout (``fimLayout: "classic"``): the
     comparison is then about the serving stack and ember's append layout, not the window.
@@ -92,6 +101,7 @@ import asyncio
 import hashlib
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -120,7 +130,7 @@ from bench.harness import (
     write_results,
 )  # fmt: skip
 from bench.prompt_stability import read_sources
-from bench.replay import SOURCES, Body, Editor, pick_bodies, replayed, type_body
+from bench.replay import SOURCES, Body, Editor, function_bodies, pick_bodies, replayed, type_body
 from tests.load_driver import free_port
 from context.prompt.fim import FimTemplate, choose_template
 from context.source.document import Document
@@ -137,14 +147,40 @@ PEER_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 THREADS = 2
 N_CTX = 2048
 CONFIGS = ("peer", "ember", "ember-llamacpp")
+# Files of packages that no other ember benchmark reads (bench/replay.py reads requests and flask,
+# the cross-file set's fifteen packages are in ../shared/eval/fetch-crossfile-repos.sh), each with
+# function bodies mid-file and, but for rich's, one at the end of the file (issue 53).
+UNSEEN: tuple[tuple[str, str], ...] = (
+    ("pypi:attrs==24.2.0", "src/attr/validators.py"),
+    ("pypi:httpx==0.28.1", "httpx/_models.py"),
+    ("pypi:packaging==24.2", "src/packaging/version.py"),
+    ("pypi:pygments==2.18.0", "pygments/lexer.py"),
+    ("pypi:h11==0.14.0", "h11/_state.py"),
+    ("pypi:tomlkit==0.13.2", "tomlkit/parser.py"),
+    ("pypi:pluggy==1.5.0", "src/pluggy/_manager.py"),
+    ("pypi:rich==13.9.4", "rich/progress.py"),
+)
 PEER_SERVERS = ("llama-server", "llama-cpp-python")
-KNOWN_CONFIGS = (*CONFIGS, "peer-vim")  # peer-vim: the peer with --peer-prompt llama.vim
+# peer-vim / peer-ember: the peer with --peer-prompt llama.vim / ember, whatever --peer-prompt says.
+KNOWN_CONFIGS = (*CONFIGS, "peer-vim", "peer-ember")
 # llama.vim's defaults (n_prefix/n_suffix lines, cache lookback) and the batch size that the
 # llama.vim/llama.vscode READMEs give for a CPU-only server with Qwen2.5-Coder-0.5B
 # (`-ub 1024 -b 1024 --ctx-size 0 --cache-reuse 256`); llama.cpp's /infill cuts by n_batch.
 N_BATCH = 1024
 LLAMA_VIM = {"n_prefix": 256, "n_suffix": 64, "n_batch": N_BATCH, "cache_back": 10}
 _WORD_TAIL = re.compile(r"[A-Za-z0-9_$]+$")
+
+
+# ------------------------------------------------------------------------------------ bodies
+
+
+def unseen_bodies(path: str, text: str, args: argparse.Namespace) -> list[Body]:
+    """``--bodies`` mid-file bodies chosen with the seed, and the last ``--end-bodies`` at the end of the file."""
+    bodies = function_bodies(path, text)
+    mids = [b for b in bodies if b.place == "mid"]
+    chosen = random.Random(f"{args.seed}:{path}").sample(mids, min(args.bodies, len(mids)))
+    ends = [b for b in bodies if b.place == "end"][::-1][: args.end_bodies]
+    return sorted(chosen + ends, key=lambda b: b.start, reverse=True)
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -214,6 +250,7 @@ class Record:
     source: str  # engine | client-cache | server-cache | empty-outcome
     prompt_chars: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    place: str = ""  # the body's place in its file: mid | end | near-end (bench/replay.py:place_of)
 
 
 class Watch:
@@ -291,7 +328,8 @@ class EmberEditor(Editor):
         source = "server-cache" if metrics.get("cache_hit") else "engine"
         if not suggestion and metrics.get("outcome") not in ("ok", "empty"):
             source = f"{metrics.get('outcome')}"
-        record = Record(self.config, body.file, body.name, offset, kind, along, watch.visible_ms, watch.first_line_ms, total, suggestion, source, extra=metrics)
+        record = Record(self.config, body.file, body.name, offset, kind, along, watch.visible_ms, watch.first_line_ms, total, suggestion, source,
+                        extra=metrics, place=body.place)
         self.timings.append(record)
         return record
 
@@ -577,7 +615,7 @@ class PeerEditor:
         return content[min(lead, offset - start) :]
 
     def _record(self, body: Body, offset: int, kind: str, along: int, watch: Watch, total: float, text: str, source: str, chars: int, extra: dict[str, Any]) -> Record:
-        record = Record(self.config, body.file, body.name, offset, kind, along, watch.visible_ms, watch.first_line_ms, total, text, source, chars, extra)
+        record = Record(self.config, body.file, body.name, offset, kind, along, watch.visible_ms, watch.first_line_ms, total, text, source, chars, extra, body.place)
         self.timings.append(record)
         return record
 
@@ -711,11 +749,41 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     }
 
 
+PLACES = ("mid", "end")  # reported apart: mid-file bodies (the suffix at its budget) and ends of files
+
+
+def pair_stats(pairs: list[tuple[Record, Record]]) -> dict[str, Any]:
+    """(configuration, peer) at the same cursors: p50s, their ratio, and per-pair ratios."""
+    shown = [(a, b) for a, b in pairs if a.visible_ms is not None and b.visible_ms is not None]
+    lines = [(a, b) for a, b in shown if a.first_line_ms is not None and b.first_line_ms is not None]
+
+    def over(x: float | None, y: float | None) -> float | None:
+        return x / y if x is not None and y else None
+
+    visible = percentile([a.visible_ms for a, _ in shown], 0.5)  # type: ignore[misc]
+    peer_visible = percentile([b.visible_ms for _, b in shown], 0.5)  # type: ignore[misc]
+    first_line = percentile([a.first_line_ms for a, _ in lines], 0.5)  # type: ignore[misc]
+    peer_first_line = percentile([b.first_line_ms for _, b in lines], 0.5)  # type: ignore[misc]
+    return {
+        "n": len(shown),
+        "visible_ms_p50": visible,
+        "peer_visible_ms_p50": peer_visible,
+        "visible_p50_ratio": over(visible, peer_visible),
+        "visible_ratio_median": percentile([a.visible_ms / b.visible_ms for a, b in shown if b.visible_ms], 0.5),  # type: ignore[operator]
+        "faster_or_equal": sum(a.visible_ms <= b.visible_ms for a, b in shown),  # type: ignore[operator]
+        "first_line_ms_p50": first_line,
+        "peer_first_line_ms_p50": peer_first_line,
+        "first_line_p50_ratio": over(first_line, peer_first_line),
+        "first_line_ratio_median": percentile([a.first_line_ms / b.first_line_ms for a, b in lines if b.first_line_ms], 0.5),  # type: ignore[operator]
+    }
+
+
 def paired(records: dict[str, list[Record]], peer: str = "peer") -> dict[str, dict[str, Any]]:
     """The same cursor in both runs. Every configuration types the same characters, so a request at
     the same (file, body, offset) sees the same text; which requests exist differs (typing along
     depends on the suggestions). ``all``: every such pair, whatever answered; ``generated``: pairs
-    that both stacks generated (no cache), i.e. the serving stacks head to head."""
+    that both stacks generated (no cache), i.e. the serving stacks head to head; ``generated mid``
+    and ``generated end``: those at mid-file bodies and at the ends of files."""
     def index(recs: list[Record]) -> dict[tuple[str, str, int], Record]:
         out: dict[tuple[str, str, int], Record] = {}
         for r in recs:
@@ -728,21 +796,11 @@ def paired(records: dict[str, list[Record]], peer: str = "peer") -> dict[str, di
         if name == peer:
             continue
         mine = index(recs)
-        both = [(mine[k], base[k]) for k in mine.keys() & base.keys()]
-        entry: dict[str, Any] = {}
-        for label, keep in (("all", lambda a, b: True), ("generated", lambda a, b: a.source == b.source == "engine")):
-            pairs = [(a, b) for a, b in both if keep(a, b) and a.visible_ms is not None and b.visible_ms is not None]
-            ratios_ = [a.visible_ms / b.visible_ms for a, b in pairs if b.visible_ms]  # type: ignore[operator]
-            lines = [(a, b) for a, b in pairs if a.first_line_ms is not None and b.first_line_ms is not None]
-            entry[label] = {
-                "n": len(pairs),
-                "visible_ms_p50": percentile([a.visible_ms for a, _ in pairs], 0.5),  # type: ignore[misc]
-                "peer_visible_ms_p50": percentile([b.visible_ms for _, b in pairs], 0.5),  # type: ignore[misc]
-                "visible_ratio_median": percentile(ratios_, 0.5),
-                "faster_or_equal": sum(a.visible_ms <= b.visible_ms for a, b in pairs),  # type: ignore[operator]
-                "first_line_ms_p50": percentile([a.first_line_ms for a, _ in lines], 0.5),  # type: ignore[misc]
-                "peer_first_line_ms_p50": percentile([b.first_line_ms for _, b in lines], 0.5),  # type: ignore[misc]
-            }
+        both = [(mine[k], base[k]) for k in sorted(mine.keys() & base.keys())]
+        generated = [(a, b) for a, b in both if a.source == b.source == "engine"]
+        entry = {"all": pair_stats(both), "generated": pair_stats(generated)}
+        for place in PLACES:
+            entry[f"generated {place}"] = pair_stats([(a, b) for a, b in generated if a.place == place])
         result[name] = entry
     return result
 
@@ -750,13 +808,35 @@ def paired(records: dict[str, list[Record]], peer: str = "peer") -> dict[str, di
 def print_paired(pairs: dict[str, dict[str, Any]]) -> None:
     if not pairs:
         return
-    print("\nsame cursor as the peer (pairs): visible_ms p50 config / peer, median of per-pair ratios, pairs where config <= peer; first_line_ms p50 config / peer")
+    print("\nsame cursor as the peer (pairs): visible_ms p50 config / peer (ratio of p50s), median of per-pair ratios, pairs where config <= peer;"
+          " first_line_ms p50 config / peer (ratio)")
     for name, entry in pairs.items():
-        for label in ("all", "generated"):
-            e = entry[label]
-            print(f"  {name:>15} {label:>9}: n={e['n']:3}  visible {fmt(e['visible_ms_p50'])} / {fmt(e['peer_visible_ms_p50'])}"
-                  f"  ratio {fmt(e['visible_ratio_median'], '.2f')}  <=peer {e['faster_or_equal']}/{e['n']}"
-                  f"  first_line {fmt(e['first_line_ms_p50'])} / {fmt(e['peer_first_line_ms_p50'])}")
+        for label, e in entry.items():
+            print(f"  {name:>15} {label:>14}: n={e['n']:3}  visible {fmt(e['visible_ms_p50'])} / {fmt(e['peer_visible_ms_p50'])} ({fmt(e['visible_p50_ratio'], '.2f')})"
+                  f"  per-pair {fmt(e['visible_ratio_median'], '.2f')}  <=peer {e['faster_or_equal']}/{e['n']}"
+                  f"  first_line {fmt(e['first_line_ms_p50'])} / {fmt(e['peer_first_line_ms_p50'])} ({fmt(e['first_line_p50_ratio'], '.2f')})")
+
+
+# Issue 53: ember's generated answers against the peer's at the same cursor.
+PAIRED_GOALS = (
+    ("generated mid", "first_line_p50_ratio", 0.6),
+    ("generated end", "first_line_p50_ratio", 0.9),
+    ("generated", "visible_p50_ratio", 0.9),
+)
+MIN_GENERATED_PAIRS = 100
+
+
+def paired_goals(pairs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    goals: dict[str, Any] = {}
+    for name, entry in pairs.items():
+        if not name.startswith("ember"):
+            continue
+        for label, key, bound in PAIRED_GOALS:
+            value = entry[label][key]
+            goals[f"{name} {label} {key} <= {bound}"] = {"value": value, "n": entry[label]["n"], "ok": value is not None and value <= bound}
+        n = entry["generated"]["n"]
+        goals[f"{name} generated pairs >= {MIN_GENERATED_PAIRS}"] = {"value": n, "ok": n >= MIN_GENERATED_PAIRS}
+    return goals
 
 
 def ratios(summaries: dict[str, dict[str, Any]], peer: str = "peer") -> dict[str, dict[str, float | None]]:
@@ -915,15 +995,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", action="store_true", help="build llama-cpp-python into bench/.cache/peer-venv and exit")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(KNOWN_CONFIGS)}")
-    p.add_argument("--model", choices=MODELS[:2], default="smollm2")
+    p.add_argument("--model", choices=MODELS, default="smollm2", help="the peer's model and ember's (qwen-coder-1.5b: llama.cpp configurations only)")
     p.add_argument("--peer-server", choices=PEER_SERVERS, default="llama-server", help="the peer's server (default llama-server)")
     p.add_argument("--peer-prompt", choices=("ember", "llama.vim"), default="llama.vim", help="prompt text of `peer`: llama.vim's layout (default), or ember's in its classic layout (peer-vim always uses llama.vim's)")
     p.add_argument("--requests", type=int, default=40, help="requests per configuration (default 40)")
     p.add_argument("--max-tokens", type=int, default=32, help="most tokens per completion, all stacks (default 32)")
     p.add_argument("--timeout-ms", type=int, default=60000, help="ember's per-completion deadline (a third of it: the remote engine's first-token timeout)")
     # The typing script: bench/replay.py's, with its defaults.
-    p.add_argument("--files", type=int, default=3)
-    p.add_argument("--bodies", type=int, default=2)
+    p.add_argument("--sources", choices=("unseen", "replay"), default="unseen",
+                   help="unseen: a file from each of eight packages no other ember benchmark reads (UNSEEN, the default); replay: bench/replay.py's")
+    p.add_argument("--files", type=int, default=None, help="the first N files of --sources (default: all of unseen, 3 of replay)")
+    p.add_argument("--bodies", type=int, default=2, help="bodies per file (unseen: mid-file ones)")
+    p.add_argument("--end-bodies", type=int, default=1, help="unseen: bodies at the end of each file besides, where it has one (default 1)")
     p.add_argument("--type-chars", type=int, default=220)
     p.add_argument("--key-ms", type=lambda s: tuple(float(x) for x in s.split(":")), default=(40.0, 90.0))
     p.add_argument("--debounce-ms", type=float, default=100.0)
@@ -956,11 +1039,13 @@ async def main(argv: list[str] | None = None) -> int:
     others = {n: resolve(n.partition(":")[2]) for n in names if ":" in n}  # CONFIG:MODEL (the GGUF checked once)
 
     files: list[tuple[str, str, list[Body]]] = []
-    for spec, wanted in SOURCES[: args.files]:
+    sources = UNSEEN if args.sources == "unseen" else SOURCES
+    for spec, wanted in sources[: args.files or (len(UNSEEN) if args.sources == "unseen" else 3)]:
         for path, text in read_sources(spec, (wanted,)):
-            files.append((path, text, pick_bodies(path, text, args.bodies, args.seed)))
+            bodies = unseen_bodies(path, text, args) if args.sources == "unseen" else pick_bodies(path, text, args.bodies, args.seed)
+            files.append((path, text, bodies))
     for path, _, bodies in files:
-        print(f"{path}: bodies {', '.join(b.name for b in bodies)}")
+        print(f"{path}: bodies {', '.join(f'{b.name} ({b.place})' for b in bodies)}")
 
     prompts = PromptSource(model, args.max_tokens)
     print(f"FIM template: {prompts.template.name}", flush=True)
@@ -969,8 +1054,9 @@ async def main(argv: list[str] | None = None) -> int:
     servers: list[tuple[str, PeerServer]] = []
     try:
         for name in names:  # one at a time: loads do not compete for the two cores
-            if name in ("peer", "peer-vim"):
-                stack, server = await start_peer(name, args, model, prompts, "llama.vim" if name == "peer-vim" else args.peer_prompt)
+            if name.startswith("peer"):
+                layout = {"peer-vim": "llama.vim", "peer-ember": "ember"}.get(name, args.peer_prompt)
+                stack, server = await start_peer(name, args, model, prompts, layout)
                 servers.append((name, server))
             else:
                 config, _, other = name.partition(":")
@@ -997,10 +1083,14 @@ async def main(argv: list[str] | None = None) -> int:
     print_table(summaries, rel)
     pairs = paired(records)
     print_paired(pairs)
-    goal: dict[str, Any] = {}
+    goal: dict[str, Any] = paired_goals(pairs)
+    if goal:
+        print("\ngoals at the same cursor (issue 53):")
+        for key, check in goal.items():
+            print(f"  {key:64} {fmt(check['value'], '.3f'):>8}  {'ok' if check['ok'] else 'MISS'}")
     if "ember" in summaries and "peer" in summaries:
         e, p = summaries["ember"]["visible_ms"]["p50"], summaries["peer"]["visible_ms"]["p50"]
-        goal = {"ember visible_ms p50 <= peer": {"ember": e, "peer": p, "ok": e is not None and p is not None and e <= p}}
+        goal["ember visible_ms p50 <= peer"] = {"ember": e, "peer": p, "ok": e is not None and p is not None and e <= p}
         print(f"\ngoal: ember p50 visible_ms {fmt(e, '.1f')} <= peer {fmt(p, '.1f')}: {'ok' if goal['ember visible_ms p50 <= peer']['ok'] else 'MISS'}")
 
     # Issue 45: another model may become the CPU default if its generated requests' first line is

@@ -111,16 +111,37 @@ _FUNCTIONS = frozenset({"function_definition"})
 # ------------------------------------------------------------------------------------ the plan
 
 
+# Where a body sits decides how much suffix a prefix-suffix-middle prompt carries: after a
+# mid-file body the suffix fills its budget (ember's ~235 tokens, llama.vim's 64 lines or ~250
+# tokens), after a body at the end of a file there is little or none.
+END_OF_FILE_CHARS = 300
+MID_FILE_CHARS = 1200
+
+
 @dataclass(frozen=True)
 class Body:
     file: str
     name: str
     start: int  # offset of the first body line's start
     end: int  # offset of the body's end
+    place: str = "mid"  # "mid" | "end" | "near-end": how much of the file follows (place_of)
+
+
+def place_of(text: str, end: int) -> str:
+    after = len(text[end:].strip())
+    return "end" if after < END_OF_FILE_CHARS else "mid" if after >= MID_FILE_CHARS else "near-end"
 
 
 def pick_bodies(path: str, text: str, count: int, seed: int, min_chars: int = 120, max_chars: int = 2500) -> list[Body]:
     """``count`` function bodies of the file, chosen with the seed (non-overlapping: no nesting)."""
+    unique = function_bodies(path, text, min_chars, max_chars)
+    chosen = random.Random(f"{seed}:{path}").sample(unique, min(count, len(unique)))
+    return sorted(chosen, key=lambda b: b.start, reverse=True)  # later bodies first: offsets of earlier ones stay valid
+
+
+def function_bodies(path: str, text: str, min_chars: int = 120, max_chars: int = 2500) -> list[Body]:
+    """The file's function bodies of 3 lines or more and ``min_chars``..``max_chars``, in order,
+    none inside another."""
     doc = Document(f"file:///{path}", "python", text)
     assert doc.tree is not None, "tree-sitter-python is needed"
     found: list[Body] = []
@@ -138,11 +159,9 @@ def pick_bodies(path: str, text: str, count: int, seed: int, min_chars: int = 12
         end = doc.offset_from_byte(body.end_byte)
         if min_chars <= end - start <= max_chars:
             name = node.child_by_field_name("name")
-            found.append(Body(path, name.text.decode() if name is not None and name.text else "?", start, end))
+            found.append(Body(path, name.text.decode() if name is not None and name.text else "?", start, end, place_of(text, end)))
     found.sort(key=lambda b: b.start)
-    unique = [b for i, b in enumerate(found) if i == 0 or b.start >= found[i - 1].end]
-    chosen = random.Random(f"{seed}:{path}").sample(unique, min(count, len(unique)))
-    return sorted(chosen, key=lambda b: b.start, reverse=True)  # later bodies first: offsets of earlier ones stay valid
+    return [b for i, b in enumerate(found) if i == 0 or b.start >= found[i - 1].end]
 
 
 def next_key(truth: str, done: int) -> str:
