@@ -126,9 +126,10 @@ class Metrics:
         }
 
 
-def prometheus_text(metrics: Metrics, engine: dict[str, Any] | None = None) -> str:
-    """The aggregates in Prometheus' text format (for ``--metrics-port``); ``engine``: a remote
-    engine's ``engine_stats()`` (whether a router is in front, its workers, resumed streams)."""
+def prometheus_text(metrics: Metrics, engine: dict[str, Any] | None = None, restarts: int | None = None) -> str:
+    """The aggregates in Prometheus' text format (for ``--metrics-port``); ``engine``: the engine's
+    ``engine_stats()`` (resumed streams and repeated rounds, whether a router is in front and its
+    workers); ``restarts``: how often ember restarted a dead engine."""
     summary = metrics.summary()
     lines = [
         "# TYPE ember_requests_total counter",
@@ -158,6 +159,9 @@ def prometheus_text(metrics: Metrics, engine: dict[str, Any] | None = None) -> s
                 f'ember_engine_router_workers{{state="healthy"}} {engine["router_workers_healthy"]}',
                 f'ember_engine_router_workers{{state="all"}} {engine["router_workers"]}',
             ]
+    if engine is not None:  # every engine that resumes or retries counts under these names
         for name in ("resumed", "retried"):
             lines += [f"# TYPE ember_engine_{name}_total counter", f"ember_engine_{name}_total {engine.get(name, 0)}"]
+    if restarts is not None:
+        lines += ["# TYPE ember_engine_restarts_total counter", f"ember_engine_restarts_total {restarts}"]
     return "\n".join(lines) + "\n"

@@ -3,6 +3,7 @@ budget, the process's memory, the daemon and the workspace index."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tracemalloc
 from typing import Any
@@ -25,7 +26,7 @@ def stats_summary(ls: EmberServer, uri: str | None) -> dict[str, Any]:
         found = core.metrics.last_for(uri)
         summary["last_for_uri"] = found.as_dict() if found else None
     summary["engine"] = engine_state(ls)
-    summary["process"] = {"pid": os.getpid(), **process_memory(core)}
+    summary["process"] = {"pid": os.getpid(), **process_memory(core), **process_holdings()}
     summary["daemon"] = core.host_info() if core.host_info is not None else None
     summary["workspace"] = ls.folders.stats()
     return summary
@@ -83,6 +84,14 @@ def budget_stats(settings: Settings, max_model_len: int) -> dict[str, int]:
         "header_tokens": budget.header_tokens,
         "cross_file_tokens": budget.snippet_tokens,
     }
+
+
+def process_holdings() -> dict[str, int]:
+    """What this process holds that a leak would grow: open descriptors (files, sockets, pipes),
+    threads, and the asyncio tasks of the running loop."""
+    process = psutil.Process()
+    descriptors = process.num_fds() if hasattr(process, "num_fds") else process.num_handles()
+    return {"descriptors": descriptors, "threads": process.num_threads(), "tasks": len(asyncio.all_tasks())}
 
 
 def process_memory(core: EmberCore) -> dict[str, Any]:

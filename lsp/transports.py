@@ -28,7 +28,7 @@ async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
             request = await asyncio.wait_for(reader.readline(), 5)
             ok = request.split(b" ")[1:2] == [b"/metrics"]
             engine = core.engine.engine_stats() if core.engine is not None else None
-            body = prometheus_text(core.metrics, engine).encode() if ok else b"not found\n"
+            body = prometheus_text(core.metrics, engine, core.restarts).encode() if ok else b"not found\n"
             status = b"200 OK" if ok else b"404 Not Found"
             writer.write(
                 b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"

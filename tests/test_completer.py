@@ -724,3 +724,32 @@ def test_a_session_ending_during_the_typing_pause_leaves_no_coroutine_that_never
         loop.close()
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_every_engines_counters_and_restarts_reach_prometheus() -> None:
+    """llama.cpp's engine resumes and retries too: its counters are exported under the same names as
+    a remote server's, with or without a router, and ember's restarts beside them."""
+    exported = prometheus_text(Metrics(), {"engine": "llama.cpp", "pid": 1, "resumed": 2, "retried": 3}, restarts=4)
+    assert "ember_engine_resumed_total 2" in exported and "ember_engine_retried_total 3" in exported
+    assert "ember_engine_restarts_total 4" in exported and "ember_engine_behind_router" not in exported
+    assert "ember_engine_resumed_total" not in prometheus_text(Metrics())  # no engine yet: nothing to say
+
+
+async def test_ember_stats_counts_what_the_process_holds(tmp_path: object) -> None:
+    """Descriptors, threads and tasks, the numbers a leak grows, follow what the process opens."""
+    import pathlib
+
+    from lsp.stats import process_holdings
+
+    before = process_holdings()
+    files = [open(pathlib.Path(str(tmp_path)) / f"f{i}", "w") for i in range(5)]  # noqa: SIM115
+    waiting = asyncio.ensure_future(asyncio.sleep(60))
+    try:
+        during = process_holdings()
+        assert during["descriptors"] == before["descriptors"] + 5
+        assert during["tasks"] == before["tasks"] + 1 and during["threads"] >= 1
+    finally:
+        waiting.cancel()
+        for f in files:
+            f.close()
+    assert process_holdings()["descriptors"] == before["descriptors"]
