@@ -90,6 +90,8 @@ async def main() -> int:
         completion = inline.items[0].insert_text if inline and inline.items else ""
         print(f"--- {path.name}:{line + 1}:{character + 1} ({label})")
         print(text.split("\n")[line][:character] + "\033[2m" + completion + "\033[0m")
+        if not completion:  # what ember/stats says of it: the confidence gate, a cut, the engine
+            print(f"    (empty: {last.get('why_empty') or last.get('outcome') or 'no reason recorded'})")
         print(
             f"    latency {last.get('latency_ms', 0):.0f} ms (client saw {client_ms:.0f} ms), ttft "
             f"{last.get('ttft_ms') or 0:.0f} ms, prompt {last.get('prompt_tokens')} tokens, "
