@@ -1,13 +1,23 @@
 """GGUF files: which one of a repository's quantizations to load, a file's identity in ember's
-cache, its conversion to safetensors for vLLM (once), and its tokenizer for llama.cpp's engine."""
+cache, its conversion to safetensors for vLLM (once), and its tokenizer for llama.cpp's engine.
+
+The tokenizer of a byte-level BPE vocabulary (Qwen, SmolLM2, Llama 3 and most code models:
+``tokenizer.ggml.model`` ``gpt2``) is built from the file's metadata with the ``tokenizers``
+library alone (:func:`bpe_tokenizer_json`), as transformers' GGUF loader builds it, token ids
+identical; other vocabularies still go through transformers, which the light install lacks.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import mmap
 import os
 import shutil
+import struct
 from pathlib import Path
+from typing import Any
 
 from engine.loading import ModelResolutionError, default_cache_dir
 from engine.token_counts import TokenizersTokenizer
@@ -98,12 +108,137 @@ def gguf_tokenizer(gguf: Path, cache_dir: Path | None = None) -> TokenizersToken
         target.parent.mkdir(parents=True, exist_ok=True)
         staged = target.with_name(f".{key}.{os.getpid()}.json")
         converted = cache_dir / "models" / key / "tokenizer.json"  # vLLM's conversion of the same file
-        if converted.is_file():
+        log.info("reading the tokenizer of %s (once)", gguf)
+        metadata = read_metadata(gguf, TOKENIZER_KEYS)
+        if metadata.get("tokenizer.ggml.model") == "gpt2":
+            staged.write_text(json.dumps(bpe_tokenizer_json(metadata)))
+        elif converted.is_file():
             shutil.copyfile(converted, staged)
         else:
-            log.info("reading the tokenizer of %s (once)", gguf)
-            from transformers import AutoTokenizer
-
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as exc:
+                kind = metadata.get("tokenizer.ggml.model")
+                raise ModelResolutionError(
+                    f"{gguf.name}'s tokenizer ({kind!r}, not byte-level BPE) needs transformers: pip install 'ember[cpu]'"
+                ) from exc
             AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).backend_tokenizer.save(str(staged))
         staged.rename(target)
     return TokenizersTokenizer(tokenizers.Tokenizer.from_file(str(target)))
+
+
+# ------------------------------------------------------------------------ metadata, tokenizer
+
+TOKENIZER_KEYS = frozenset({
+    "general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+})  # fmt: skip
+# GGUF's value types: struct formats of the scalars; 8 is a string, 9 an array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_metadata(path: Path, wanted: frozenset[str]) -> dict[str, Any]:
+    """The ``wanted`` keys of a GGUF file's key-value header (version 2 or 3, little-endian),
+    read without loading any tensor."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ModelResolutionError(f"{path} is not a GGUF file")
+        version, _tensors, count = struct.unpack_from("<IQQ", data, 4)
+        if version not in (2, 3):
+            raise ModelResolutionError(f"{path} is GGUF version {version}; ember reads versions 2 and 3")
+        at, found = 24, {}
+        for _ in range(count):
+            key, at = _string(data, at)
+            kind, = struct.unpack_from("<I", data, at)
+            value, at = _value(data, at + 4, kind, key in wanted)
+            if key in wanted:
+                found[key] = value
+        return found
+
+
+def _string(data: mmap.mmap, at: int) -> tuple[str, int]:
+    size, = struct.unpack_from("<Q", data, at)
+    return data[at + 8 : at + 8 + size].decode("utf-8", "replace"), at + 8 + size
+
+
+def _value(data: mmap.mmap, at: int, kind: int, keep: bool) -> tuple[Any, int]:
+    """One value at ``at`` and where the next begins; an unwanted array is skipped, not decoded."""
+    if kind == _STRING:
+        return _string(data, at)
+    if kind in _SCALARS:
+        fmt = "<" + _SCALARS[kind]
+        return struct.unpack_from(fmt, data, at)[0], at + struct.calcsize(fmt)
+    if kind != _ARRAY:
+        raise ModelResolutionError(f"unknown GGUF value type {kind}")
+    item, n = struct.unpack_from("<IQ", data, at)
+    at += 12
+    if item in _SCALARS:
+        size = struct.calcsize("<" + _SCALARS[item])
+        values = list(struct.unpack_from(f"<{n}{_SCALARS[item]}", data, at)) if keep else None
+        return values, at + n * size
+    items = []
+    for _ in range(n):
+        value, at = _value(data, at, item, keep)
+        if keep:
+            items.append(value)
+    return (items if keep else None), at
+
+
+# How text is split before BPE, by ``tokenizer.ggml.pre`` (transformers' GGUF loader's table);
+# others split as GPT-2 does.
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLITS = {
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte (what a byte-level vocabulary's tokens are written in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelling, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b], extra = chr(256 + extra), extra + 1
+    return spelling
+
+
+def bpe_tokenizer_json(metadata: dict[str, Any]) -> dict[str, Any]:
+    """A ``tokenizers`` definition of a byte-level BPE vocabulary from GGUF metadata: the tokens,
+    merges and split rule of the file, its control tokens kept whole as special tokens and its
+    user-defined ones as added tokens (as transformers' GGUF loader does)."""
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    kinds: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {
+        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
+    }
+    added = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": kind == _CONTROL or t == "<|endoftext|>"}
+        for i, (t, kind) in enumerate(zip(tokens, kinds, strict=False))
+        if (kind == _CONTROL and set(t) <= alphabet) or kind == _USER_DEFINED or t == "<|endoftext|>"
+    ]  # fmt: skip
+    split = SPLITS.get(metadata.get("tokenizer.ggml.pre", ""))
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": split is None}
+    pre = byte_level if split is None else {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False}, byte_level],
+    }  # fmt: skip
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": pre, "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "", "end_of_word_suffix": "",
+            "fuse_unk": False, "byte_fallback": False, "ignore_merges": False, "vocab": vocab,
+            "merges": [m.split(" ", 1) for m in metadata.get("tokenizer.ggml.merges") or ()],
+        },
+    }  # fmt: skip

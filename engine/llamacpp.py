@@ -47,6 +47,7 @@ from engine.gguf import gguf_tokenizer
 from engine.llama_build import server_binary
 from engine.remote import RemoteEngine
 from engine.routing import RemoteConfig
+from engine.speeds import FIRST_SAVE, DecodeMeter, record_decode
 from engine.token_counts import TokenizersTokenizer
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,8 @@ class LlamaCppEngine:
         self.load_seconds: float | None = None
         self.engine_args: dict[str, Any] = {}  # the flags it runs with
         self.warning: str | None = None  # why the user's engine arguments were not applied
+        self.decode = DecodeMeter()  # what the next start's default model is chosen by
+        self._keeping: asyncio.Task[None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -336,12 +339,16 @@ class LlamaCppEngine:
             return
         fields = {} if slot is None else {"id_slot": slot}
         text: str | None = None  # generated so far; None until the prompt was prefilled
+        tokens, first, last = 0, 0.0, 0.0  # decoded tokens, when the first and the last arrived
         try:
             served = self._client.stream(prompt, params, request_id, routing_key=routing_key, fields=fields)
             async with contextlib.aclosing(served) as chunks:
                 async for chunk in chunks:
                     if chunk.text or chunk.finish_reason:
                         text = (text or "") + chunk.text
+                    if chunk.text:
+                        last = time.perf_counter()
+                        first, tokens = first or last, tokens + chunk.token_count
                     yield chunk
         except EngineError as exc:
             if self.dead:
@@ -349,6 +356,21 @@ class LlamaCppEngine:
             raise
         finally:
             self._slots.filled(slot, None if text is None else prompt + text)
+            self._measured(tokens, last - first)
+
+    def _measured(self, tokens: int, seconds: float) -> None:
+        measured = self.decode.completions
+        self.decode.add(tokens, seconds)
+        if measured < FIRST_SAVE <= self.decode.completions and self._keeping is None:
+            with contextlib.suppress(RuntimeError):  # no loop: a stream finalised at shutdown
+                self._keeping = asyncio.get_running_loop().create_task(self.keep_decode_speed())
+
+    async def keep_decode_speed(self) -> None:
+        """Writes the measured decode speed for the next start's choice of the default model (only
+        when the server runs on all the cores that choice counts: user-set threads measure less)."""
+        rate = self.decode.median()
+        if rate is not None and self.config.threads is None:
+            await asyncio.to_thread(record_decode, self.config.model_name, rate, usable_cores(), self.decode.completions)
 
     async def abort(self, request_id: str) -> None:
         if self._client is not None:
@@ -358,12 +380,18 @@ class LlamaCppEngine:
         stats: dict[str, Any] = {"engine": "llama.cpp", "pid": self.pid, "alive": not self.dead, "socket": self.socket_path}
         if self._client is not None:
             stats.update(resumed=self._client.resumed, retried=self._client.retried)
+        rate = self.decode.median()
+        stats["decode_tokens_s"] = round(rate, 1) if rate is not None else None
         return stats
 
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
+        if self._keeping is not None:
+            await self._keeping
+        if self.decode.completions:
+            await self.keep_decode_speed()
         await self._stop_process()
 
     async def _stop_process(self) -> None:

@@ -26,6 +26,7 @@ class ResolvedModel:
     source: str  # "bundled" | "gguf" | "folder" | "hub"
     # Set when the default code model could not be fetched and the bundled model stands in.
     fallback_reason: str | None = None
+    chosen_because: str | None = None  # the default rule's reason, when no model was named
 
 
 # Where each stage of a cold start begins, as a share of it (bench/cold_start.py, bundled model,
@@ -48,6 +49,7 @@ class LoadState:
     total_bytes: int = 0
     # Set when the default code model could not be fetched and the bundled model stands in.
     fallback_reason: str | None = None
+    chosen_because: str | None = None  # why the default rule chose this model (ResolvedModel's)
 
     def percent(self) -> int | None:
         if self.stage != "downloading" or self.total_bytes <= 0:
@@ -86,6 +88,10 @@ class LoadProgress:
     def set_fallback(self, reason: str) -> None:
         with self._lock:
             self._state = replace(self._state, fallback_reason=reason)
+
+    def set_chosen_because(self, reason: str) -> None:
+        with self._lock:
+            self._state = replace(self._state, chosen_because=reason)
 
     def current(self) -> LoadState:
         with self._lock:

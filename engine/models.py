@@ -79,25 +79,51 @@ class ModelChoice:
 def first_line_ms(model: CpuModel, cores: int, decode_tokens_s: float | None = None) -> float:
     """The typical first line's time on ``cores`` cores: from ``decode_tokens_s`` where it was
     measured, else estimated from the model's speed per core, capped by memory bandwidth."""
-    decode = decode_tokens_s or min(model.decode_per_core * cores, DECODE_BANDWIDTH / model.weight_bytes)
+    decode = decode_tokens_s or estimated_decode(model, cores)
     prefill = model.prefill_per_core * cores
     return 1000 * (FIRST_LINE_TOKENS / decode + PREFILL_TOKENS / prefill)
+
+
+def estimated_decode(model: CpuModel, cores: int) -> float:
+    return min(model.decode_per_core * cores, DECODE_BANDWIDTH / model.weight_bytes)
+
+
+def decode_rates(cores: int, measured: dict[str, float]) -> dict[str, tuple[float, str]]:
+    """Each of :data:`CPU_MODELS`' decode tokens/s on this machine, and where the number comes
+    from: measured here; else scaled from a candidate measured here by the ratio of their
+    estimates (one machine decodes both: the ratio holds where an estimate's absolute value may
+    not); else estimated."""
+    seen = next((m for m in CPU_MODELS if m.hub_id in measured), None)
+    rates: dict[str, tuple[float, str]] = {}
+    for m in CPU_MODELS:
+        if m.hub_id in measured:
+            rates[m.hub_id] = (measured[m.hub_id], f"measured {measured[m.hub_id]:.1f} tokens/s")
+        elif seen is not None:
+            rate = measured[seen.hub_id] * estimated_decode(m, cores) / estimated_decode(seen, cores)
+            rates[m.hub_id] = (rate, f"{rate:.1f} tokens/s scaled from {_short(seen.hub_id)}'s measured")
+        else:
+            rates[m.hub_id] = (estimated_decode(m, cores), f"estimated {estimated_decode(m, cores):.1f} tokens/s")
+    return rates
 
 
 def choose_cpu_model(
     cores: int, measured: dict[str, float] | None = None, budget_ms: float = FIRST_LINE_BUDGET_MS
 ) -> ModelChoice:
     """The largest of :data:`CPU_MODELS` whose typical first line fits ``budget_ms`` on this
-    machine (the smallest when none does). ``measured``: decode tokens/s seen here, by hub id."""
-    measured = measured or {}
-    costs = {m.hub_id: first_line_ms(m, cores, measured.get(m.hub_id)) for m in CPU_MODELS}
+    machine (the smallest when none does). ``measured``: decode tokens/s seen here, by hub id
+    (:func:`engine.speeds.measured_decode`)."""
+    rates = decode_rates(cores, measured or {})
+    costs = {m.hub_id: first_line_ms(m, cores, rates[m.hub_id][0]) for m in CPU_MODELS}
     fitting = [m for m in CPU_MODELS if costs[m.hub_id] <= budget_ms]
     chosen = fitting[-1] if fitting else CPU_MODELS[0]
-    how = ", ".join(
-        f"{m.hub_id.split('/')[-1]} {costs[m.hub_id]:.0f} ms ({'measured' if m.hub_id in measured else 'estimated'})"
-        for m in CPU_MODELS
-    )
+    how = ", ".join(f"{_short(m.hub_id)} {costs[m.hub_id]:.0f} ms ({rates[m.hub_id][1]})" for m in CPU_MODELS)
     return ModelChoice(chosen.hub_id, f"the largest whose typical first line fits {budget_ms:.0f} ms on {cores} cores: {how}")
+
+
+def _short(hub_id: str) -> str:
+    return hub_id.split("/")[-1]
+
+
 ENGINES = ("vllm", "llamacpp")
 # Replaces the hub id that the default picks (tests point it at a small model on a local hub).
 DEFAULT_MODEL_ENV = "EMBER_DEFAULT_MODEL"
@@ -218,8 +244,10 @@ def default_gguf_model() -> ModelChoice:
     if override := os.environ.get(DEFAULT_MODEL_ENV):
         return ModelChoice(override, f"${DEFAULT_MODEL_ENV}")
     from engine.llamacpp import usable_cores
+    from engine.speeds import measured_decode
 
-    return choose_cpu_model(usable_cores())
+    cores = usable_cores()
+    return choose_cpu_model(cores, measured_decode(cores))
 
 
 def _gguf_like(spec: str) -> bool:
@@ -241,11 +269,12 @@ def resolve_gguf(spec: str | None, progress: LoadProgress | None = None) -> Reso
         wanted = choice.hub_id
         log.info("default model %s: %s", wanted, choice.reason)
         try:
-            return ResolvedModel(str(fetch_hub_gguf(wanted, progress)), wanted, "hub")
+            return ResolvedModel(str(fetch_hub_gguf(wanted, progress)), wanted, "hub", chosen_because=choice.reason)
         except HubUnreachable as exc:
             log.warning("gave up on the hub for %s (%s); using the bundled %s", wanted, exc, BUNDLED_NAME)
             reason = FALLBACK_ADVICE.format(bundled=BUNDLED_NAME, wanted=wanted, reason=exc)
-            return ResolvedModel(str(bundled_gguf()), BUNDLED_NAME, "bundled", fallback_reason=reason)
+            bundled = ResolvedModel(str(bundled_gguf()), BUNDLED_NAME, "bundled", fallback_reason=reason)
+            return replace(bundled, chosen_because=choice.reason)
     if spec == BUNDLED_SPEC:
         return ResolvedModel(str(bundled_gguf()), BUNDLED_NAME, "bundled")
     path = Path(os.path.expanduser(spec))

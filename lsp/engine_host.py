@@ -218,6 +218,8 @@ def resolve_reported(
     log.info("model %s (%s: %s), resolved in %.1f s", model.name, model.source, model.path, time.monotonic() - started)
     if model.fallback_reason:
         progress.set_fallback(model.fallback_reason)
+    if model.chosen_because:
+        progress.set_chosen_because(model.chosen_because)
     progress.set(then, model.name)
     return model
 

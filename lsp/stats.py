@@ -70,9 +70,7 @@ def model_why(core: EmberCore) -> str | None:
     if named:
         return "named by the user (--model / the model setting)"
     if choice.kind == "llamacpp":
-        from engine.models import default_gguf_model
-
-        return default_gguf_model().reason
+        return core.load_progress.current().chosen_because or "the default rule has not chosen yet (the engine is starting)"
     return "vLLM's default for this hardware (engine.models.default_hub_model)"
 
 

@@ -182,6 +182,25 @@ async def test_abort_by_request_id_ends_the_stream(engine: LlamaCppEngine) -> No
     await idle(engine)
 
 
+async def test_decoding_is_measured_and_kept_for_the_next_starts_choice_of_model(
+    engine: LlamaCppEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every streamed completion's decode speed is measured; ember/stats shows the median and the
+    next start reads it back (engine.speeds) to choose the default model."""
+    from engine.llamacpp import usable_cores
+    from engine.speeds import measured_decode
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    before = engine.decode.completions
+    chunks = await collect(engine, RAMBLE, "measured", max_tokens=16)
+    assert sum(c.token_count for c in chunks) >= 8, chunks
+    assert engine.decode.completions == before + 1
+    rate = engine.engine_stats()["decode_tokens_s"]
+    assert rate > 1.0, rate
+    await engine.keep_decode_speed()
+    assert measured_decode(usable_cores()) == {BUNDLED_NAME: pytest.approx(rate, abs=0.1)}
+
+
 async def test_two_documents_keep_their_own_cached_prefixes(engine: LlamaCppEngine) -> None:
     first_doc = CODE + "\n\ndef restock(item, count):\n    "
     other_doc = (DATA / "inventory.py").read_text().replace("Item", "Product").replace("item", "product") * 2 + "\n# "
@@ -405,6 +424,35 @@ async def test_an_editor_gets_completions_reused_prefixes_and_typed_through_answ
         await window.close()
 
 
+async def test_the_light_install_serves_a_completion_with_vllm_torch_and_transformers_out_of_reach(tmp_path: Path) -> None:
+    """What `bash .ci/setup` (without --test) installs: on a machine without CUDA ember picks
+    llama.cpp, reads the GGUF's tokenizer into an empty cache and completes, and nothing on the
+    way imports vLLM, torch or transformers (each is a package here that notes the attempt and
+    fails as a missing one does)."""
+    stubs, tried = tmp_path / "stubs", tmp_path / "tried"
+    for name in ("vllm", "torch", "transformers"):
+        (stubs / name).mkdir(parents=True)
+        (stubs / name / "__init__.py").write_text(
+            f"open({str(tried)!r}, 'a').write({name!r} + '\\n')\nraise ImportError('{name} is not installed')\n"
+        )
+    window = Window(
+        tmp_path, "--daemon", "off", "--model", "bundled", "--max-tokens", "16", "--timeout-ms", "60000",
+        PYTHONPATH=str(stubs), EMBER_ENGINE="", CUDA_VISIBLE_DEVICES="", EMBER_CACHE_DIR=str(tmp_path / "cache"),
+        **{SERVER_ENV: str(server_binary())},  # the build stays where it is; the cache starts empty
+    )  # fmt: skip
+    try:
+        await window.open()
+        ready = await wait_ready(window.client, 120)
+        assert ready["engine"]["kind"] == "llamacpp" and ready["engine"]["why"].startswith("no CUDA GPU"), ready["engine"]
+        text = CODE + "\n\ndef cheapest(items):\n    return "
+        window.did_open(text)
+        assert await window.complete_at_end(text), (await window.stats())["last_for_uri"]
+        assert list((tmp_path / "cache" / "tokenizers").glob("*.json"))
+    finally:
+        await window.close()
+    assert not tried.exists(), f"imported on the way: {tried.read_text()}"
+
+
 async def test_typing_mid_file_prefills_only_what_was_typed_in_the_append_layout(
     tmp_path: Path, llama_window_args: tuple[str, ...]
 ) -> None:
@@ -558,6 +606,7 @@ async def test_the_default_gguf_model_comes_from_a_hub_repo_and_loads_as_it_is(t
         try:
             current = await wait_ready(client, 120)
             assert current["engine"]["model"] == hub_id and current["engine"]["kind"] == "llamacpp"
+            assert current["engine"]["model_why"] == "$EMBER_DEFAULT_MODEL", current["engine"]  # the choice made at start
             await completes(client)
         finally:
             await stop(client)

@@ -298,3 +298,87 @@ def test_a_hub_that_never_answers_costs_only_the_stated_timeout(tmp_path: Path) 
     assert result["name"] == BUNDLED_NAME
     assert f"did not answer within {HUB_TIMEOUT_S:g} s" in result["reason"]
     assert HUB_TIMEOUT_S - 0.5 < fallback_seconds(done.stderr) < HUB_TIMEOUT_S + 1.0
+
+
+def test_measured_decode_speeds_are_kept_per_model_and_cores_and_feed_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the llama.cpp engine measured on this machine chooses the next start's default: a
+    measured 0.5B that decodes fast enough makes the 1.5B (scaled from it) fit on 2 cores, a slow
+    one keeps the 0.5B on 8; another core count, or a corrupt file, says nothing."""
+    from engine.models import CPU_MODELS, default_gguf_model
+    from engine.speeds import DecodeMeter, measured_decode, record_decode, speeds_path
+
+    small, large = (m.hub_id for m in CPU_MODELS)
+    meter = DecodeMeter()
+    meter.add(4, 0.1)  # too few tokens to say anything
+    assert meter.median() is None and meter.completions == 0
+    for seconds in (0.5, 0.6, 0.7):
+        meter.add(31, seconds)
+    assert meter.median() == pytest.approx(50.0) and meter.completions == 3
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("EMBER_DEFAULT_MODEL", raising=False)
+    monkeypatch.setattr("engine.llamacpp.usable_cores", lambda: 2)
+    assert default_gguf_model().hub_id == small and "estimated" in default_gguf_model().reason
+    record_decode(small, 100.0, 2, 20)
+    record_decode(small, 1.0, 4, 20)
+    assert measured_decode(2) == {small: 100.0} and measured_decode(3) == {}
+    fast = default_gguf_model()
+    assert fast.hub_id == large, fast.reason
+    assert "measured 100.0 tokens/s" in fast.reason and "scaled from" in fast.reason
+    monkeypatch.setattr("engine.llamacpp.usable_cores", lambda: 8)
+    assert default_gguf_model().hub_id == large  # nothing measured on 8 cores: the estimate
+    record_decode(small, 20.0, 8, 20)
+    assert default_gguf_model().hub_id == small
+    speeds_path().write_text("{not json")
+    assert measured_decode(8) == {} and default_gguf_model().hub_id == large
+
+
+TOKENIZER_TEXTS = (
+    "def add(a, b):\n    return a + b\n",
+    "<|fim_prefix|>class A:\n    def f(self):<|fim_suffix|>\n\t\treturn 1<|fim_middle|>  x<|endoftext|>",
+    "  héllo 日本語 🙂 123456789 don't 'LL \r\n\r\n   \u00a0x\t",
+    "<|im_start|>user\n<file_sep>print(1)<|im_end|>",
+)
+
+
+def test_a_gguf_tokenizer_is_built_without_transformers_and_gives_its_token_ids() -> None:
+    """The bundled GGUF's byte-level BPE tokenizer, built from the file's metadata with the
+    tokenizers library alone, has the vocabulary and gives the token ids of transformers' GGUF
+    loader (what ember used before; prompt budgets count these ids), special tokens whole."""
+    import tokenizers
+    from transformers import AutoTokenizer
+
+    from engine.gguf import TOKENIZER_KEYS, bpe_tokenizer_json, read_metadata
+    from engine.models import bundled_gguf
+
+    gguf = bundled_gguf()
+    metadata = read_metadata(gguf, TOKENIZER_KEYS)
+    assert metadata["tokenizer.ggml.model"] == "gpt2" and metadata["general.architecture"] == "llama"
+    mine = tokenizers.Tokenizer.from_str(json.dumps(bpe_tokenizer_json(metadata)))
+    theirs = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).backend_tokenizer
+    assert mine.get_vocab() == theirs.get_vocab()
+    source = "".join(p.read_text() for p in sorted(Path(__file__).parents[1].glob("context/**/*.py")))
+    for text in (*TOKENIZER_TEXTS, source):
+        assert mine.encode(text, add_special_tokens=False).ids == theirs.encode(text, add_special_tokens=False).ids
+    assert mine.encode("<|endoftext|>", add_special_tokens=False).ids == [0]
+
+
+def test_the_llama_cpp_tokenizer_loads_with_torch_and_transformers_out_of_reach(tmp_path: Path) -> None:
+    """The light install's path: a GGUF ember has not seen, its tokenizer read into an empty
+    cache in a process where importing transformers, torch or vllm fails."""
+    script = (
+        "import sys, time\n"
+        "for name in ('transformers', 'torch', 'vllm'): sys.modules[name] = None\n"
+        "from pathlib import Path\n"
+        "from engine.gguf import gguf_tokenizer\n"
+        "from engine.models import bundled_gguf\n"
+        "started = time.perf_counter()\n"
+        f"tokenizer = gguf_tokenizer(bundled_gguf(), Path({str(tmp_path)!r}))\n"
+        "print(tokenizer.encode('def add(a, b):'), round(time.perf_counter() - started, 2))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    ids, seconds = done.stdout.rsplit(" ", 1)
+    assert ids == str([1604, 803, 24, 81, 28, 278, 727]), ids
+    assert list((tmp_path / "tokenizers").glob("*.json")) and float(seconds) < 10
