@@ -44,7 +44,7 @@ import httpx
 
 from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo
 from engine.gguf import gguf_tokenizer
-from engine.llama_build import server_binary
+from engine.llama_build import ServerChoice, find_server
 from engine.remote import RemoteEngine
 from engine.routing import RemoteConfig
 from engine.speeds import FIRST_SAVE, DecodeMeter, record_decode
@@ -84,6 +84,7 @@ class LlamaCppConfig:
     cache_ram_mib: int = 256
     # The user's engine arguments as llama-server flags (max_model_len: the slot's context).
     engine_args: dict[str, Any] = field(default_factory=dict)
+    server: ServerChoice | None = None  # the binary and why (None: engine.llama_build.find_server at start)
 
 
 def server_flags(config: LlamaCppConfig, socket_path: str) -> list[str]:
@@ -181,6 +182,7 @@ class LlamaCppEngine:
         self.engine_args: dict[str, Any] = {}  # the flags it runs with
         self.warning: str | None = None  # why the user's engine arguments were not applied
         self.decode = DecodeMeter()  # what the next start's default model is chosen by
+        self.server: ServerChoice | None = None  # the llama-server binary that runs, and why
         self._keeping: asyncio.Task[None] | None = None
 
     @property
@@ -206,12 +208,11 @@ class LlamaCppEngine:
 
     async def start(self) -> None:
         started = time.monotonic()
-        binary = server_binary()
-        if binary is None:
-            raise EngineError(
-                "llama.cpp's server is not built on this machine: run `bash .ci/setup` (or "
-                "`python -m engine.llama_build`), set EMBER_LLAMA_SERVER to a llama-server binary, or pass --engine vllm"
-            )
+        server: ServerChoice = self.config.server if self.config.server is not None else await asyncio.to_thread(find_server)
+        if server.path is None:
+            raise EngineError(f"{server.why}; or pass --engine vllm")
+        self.server = server
+        binary = server.path
         tokenizer = asyncio.create_task(asyncio.to_thread(gguf_tokenizer, Path(self.config.gguf)))
         try:
             await self._launch(binary)
@@ -378,6 +379,8 @@ class LlamaCppEngine:
 
     def engine_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"engine": "llama.cpp", "pid": self.pid, "alive": not self.dead, "socket": self.socket_path}
+        if self.server is not None:
+            stats.update(binary=str(self.server.path), binary_why=self.server.why)
         if self._client is not None:
             stats.update(resumed=self._client.resumed, retried=self._client.retried)
         rate = self.decode.median()

@@ -305,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["daemon"]:
         return daemon_main(argv[1:])
+    if argv[:1] == ["setup"]:
+        from engine.llama_build import setup_main
+
+        return setup_main(argv[1:])
     args = parse_args(argv)
     if os.environ.get("EMBER_DEBUG_MEMORY"):
         import tracemalloc

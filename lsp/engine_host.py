@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from engine.base import Engine
+from engine.base import Engine, EngineError
 from engine.loading import LoadProgress, ResolvedModel
 from engine.models import EngineChoice, choose_engine
 from lsp.completer import Completer
@@ -226,11 +226,16 @@ def resolve_reported(
 
 def llamacpp_engine(settings: Settings, progress: LoadProgress) -> Engine:
     """llama.cpp's server on the model's GGUF file (found, or fetched from a GGUF repo; never converted)."""
+    from engine.llama_build import find_server
     from engine.llamacpp import LlamaCppConfig, LlamaCppEngine
     from engine.models import resolve_gguf
 
+    server = find_server()  # before the model: a user without a server learns it before a download
+    if server.path is None:
+        raise EngineError(f"{server.why}; or pass --engine vllm")
     model = resolve_reported(resolve_gguf, settings.model, progress, then="starting")
-    return LlamaCppEngine(LlamaCppConfig(gguf=model.path, model_name=model.name, engine_args=settings.engine_arg_dict()))
+    config = LlamaCppConfig(gguf=model.path, model_name=model.name, engine_args=settings.engine_arg_dict(), server=server)
+    return LlamaCppEngine(config)
 
 
 async def close_and_exit(core: EmberCore, code: int, grace_s: float = 4.0) -> None:

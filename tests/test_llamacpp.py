@@ -291,22 +291,100 @@ async def test_arguments_the_server_refuses_fall_back_to_embers_defaults_with_a_
         await served.close()
 
 
-def test_only_embers_own_build_is_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Some other llama-server on PATH is never picked up; $EMBER_LLAMA_SERVER names one explicitly."""
-    impostor = tmp_path / "bin" / "llama-server"
-    impostor.parent.mkdir()
-    impostor.write_text("#!/bin/sh\ntouch " + str(tmp_path / "ran") + "\n")
-    impostor.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{impostor.parent}:{os.environ['PATH']}")
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+def fake_server(path: Path, version: str, help_text: str, served: Path) -> Path:
+    """A script that answers --version and --help like a llama-server and notes being served."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in --version) echo "{version}" >&2;; --help) echo "{help_text}";; *) touch {served};; esac\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+def test_a_llama_server_on_path_is_used_when_ember_knows_it_and_refused_when_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order is $EMBER_LLAMA_SERVER, ember's own build, PATH. One on PATH runs when its
+    --version names ember's llama.cpp commit and its --help every flag ember passes (a copy of
+    ember's own build here); another commit, or a missing flag, is refused with what differs, and
+    the engine says so without running it."""
+    from engine.llama_build import KNOWN_COMMIT, NEEDED_FLAGS, find_server
+
+    own = server_binary()
+    assert own is not None
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))  # no build of ember's own there
     monkeypatch.delenv(SERVER_ENV, raising=False)
-    assert server_binary() is None
-    monkeypatch.setenv(SERVER_ENV, str(impostor))
-    assert server_binary() == impostor
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert find_server().path is None and "ember setup" in find_server().why
+    (bin_dir / "llama-server").symlink_to(own)
+    chosen = find_server()
+    assert chosen.path == bin_dir / "llama-server" and chosen.why.startswith("on PATH"), chosen
+    monkeypatch.setenv(SERVER_ENV, str(tmp_path / "gone"))  # names nothing: the next in the order
+    chosen = find_server()
+    assert chosen.path == bin_dir / "llama-server" and "not an executable file" in chosen.why, chosen
     monkeypatch.delenv(SERVER_ENV)
-    with pytest.raises(EngineError, match="not built on this machine"):
+
+    (bin_dir / "llama-server").unlink()
+    served = tmp_path / "served"
+    fake_server(bin_dir / "llama-server", "version: 7000 (build 7000, commit deadbee)", " ".join(NEEDED_FLAGS), served)
+    refused = find_server()
+    assert refused.path is None and "deadbee" in refused.why and KNOWN_COMMIT in refused.why, refused
+    with pytest.raises(EngineError, match="deadbee"):
         asyncio.run(LlamaCppEngine(LlamaCppConfig(gguf=str(bundled_gguf()), model_name="m")).start())
-    assert not (tmp_path / "ran").exists()
+    fake_server(bin_dir / "llama-server", f"version: 1 (build 1, commit {KNOWN_COMMIT})", "--alias --metrics", served)
+    lacking = find_server()
+    assert lacking.path is None and "lacks --threads-batch" in lacking.why, lacking
+    assert not served.exists(), "a refused llama-server was run"
+    monkeypatch.setenv(SERVER_ENV, str(bin_dir / "llama-server"))  # named: run as it is
+    assert find_server().path == bin_dir / "llama-server"
+
+
+def test_ember_setup_without_cmake_says_how_to_get_it(tmp_path: Path) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {**os.environ, "PATH": str(empty), "EMBER_CACHE_DIR": str(tmp_path / "cache"), "CXX": ""}
+    env.pop(SERVER_ENV, None)
+    done = subprocess.run([sys.executable, "-m", "lsp", "setup"], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert done.returncode == 1, done
+    assert "needs cmake (`pip install cmake ninja`" in done.stderr and "a C++ compiler" in done.stderr, done.stderr
+
+
+def test_a_second_build_waits_for_the_first_and_steps_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two embers never build at once: the second waits on the lock and finds the first's binary.
+    A build's output gives a line per step."""
+    import threading
+
+    from engine import llama_build
+
+    monkeypatch.setattr(llama_build, "missing_tools", lambda: [])
+    target = llama_build.cached_server(tmp_path)
+    holding = threading.Event()
+
+    def first_build() -> None:
+        with llama_build.build_lock(tmp_path, said=lambda line: None):
+            holding.set()
+            time.sleep(0.5)
+            target.parent.mkdir(parents=True)
+            target.write_text("#!/bin/sh\n")
+            target.chmod(0o755)
+
+    first = threading.Thread(target=first_build)
+    first.start()
+    holding.wait(5)
+    said: list[str] = []
+    started = time.monotonic()
+    assert llama_build.build(tmp_path, said=said.append) == target
+    first.join()
+    assert time.monotonic() - started >= 0.3 and any("waiting" in line for line in said) and "built meanwhile" in said[-1], said
+    steps: list[str] = []
+    script = "print('-- configuring'); print('[1/3] Building CXX a.o'); print('[2/3] b.o'); print('[3/3] Linking llama-server')"
+    llama_build._run([sys.executable, "-c", script], steps.append, steps=True)
+    assert steps == ["llama-server: step 1/3 Building CXX a.o", "llama-server: step 2/3 b.o", "llama-server: step 3/3 Linking llama-server"]
+    with pytest.raises(llama_build.SetupError, match="exit 3"):
+        llama_build._run([sys.executable, "-c", "raise SystemExit(3)"], steps.append, steps=True)
 
 
 def test_the_engine_follows_the_hardware_and_the_model(tmp_path: Path) -> None:
