@@ -41,7 +41,7 @@ from engine.loading import default_cache_dir
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 KNOWN_COMMIT = "0c1e570"  # what its llama-server's --version prints
 SERVER_ENV = "EMBER_LLAMA_SERVER"  # a llama-server binary the user built themselves
-PYPI_ENV = "EMBER_PYPI_URL"  # a PyPI mirror to fetch the sdist from (default https://pypi.org)
+PYPI_ENV = "EMBER_PYPI_URL"  # a package index (simple API) to fetch the sdist from (default PyPI's)
 # The flags of engine.llamacpp.server_flags that an older or trimmed llama-server may lack.
 NEEDED_FLAGS = (
     "--alias", "--threads-batch", "--parallel", "--no-kv-unified", "--no-cache-idle-slots", "--cache-ram",
@@ -205,25 +205,27 @@ def build_lock(cache_dir: Path | None = None, said: Callable[[str], None] = prin
 
 
 def fetch_sdist(folder: Path) -> Path:
-    """The sdist from PyPI's JSON API (``$EMBER_PYPI_URL`` for a mirror), its sha256 checked."""
+    """The sdist from the package index's JSON simple API (PEP 691: PyPI and the mirrors that
+    pip uses; ``$EMBER_PYPI_URL`` names one), its sha256 checked."""
     name, version = LLAMA_CPP_PYTHON.split("==")
-    base = os.environ.get(PYPI_ENV, "https://pypi.org").rstrip("/")
+    index = os.environ.get(PYPI_ENV, "https://pypi.org/simple").rstrip("/")
+    filename = f"{name.replace('-', '_')}-{version}.tar.gz"
     try:
         with httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0), follow_redirects=True) as http:
-            release = http.get(f"{base}/pypi/{name}/{version}/json")
-            release.raise_for_status()
-            (sdist,) = [u for u in release.json()["urls"] if u["packagetype"] == "sdist"]
-            target = folder / sdist["filename"]
+            listing = http.get(f"{index}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+            listing.raise_for_status()
+            (sdist,) = [f for f in listing.json()["files"] if f["filename"] == filename]
+            target = folder / filename
             digest = hashlib.sha256()
-            with http.stream("GET", sdist["url"]) as download, target.open("wb") as out:
+            with http.stream("GET", httpx.URL(f"{index}/{name}/").join(sdist["url"])) as download, target.open("wb") as out:
                 download.raise_for_status()
                 for block in download.iter_bytes(1 << 20):
                     digest.update(block)
                     out.write(block)
     except (httpx.HTTPError, KeyError, ValueError) as exc:
-        raise SetupError(f"could not fetch {LLAMA_CPP_PYTHON}'s sources from {base}: {exc} (or pass --sdist FILE)") from exc
-    if digest.hexdigest() != sdist["digests"]["sha256"]:
-        raise SetupError(f"{target.name} does not match PyPI's sha256")
+        raise SetupError(f"could not fetch {filename} from {index}: {exc} (or pass --sdist FILE)") from exc
+    if digest.hexdigest() != sdist["hashes"]["sha256"]:
+        raise SetupError(f"{filename} does not match the index's sha256")
     return target
 
 
