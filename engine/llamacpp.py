@@ -393,7 +393,7 @@ class LlamaCppEngine:
             await client.close()
         if self._keeping is not None:
             await self._keeping
-        if self.decode.completions:
+        if self.decode.completions >= FIRST_SAVE:  # a few completions would replace a longer record with noise
             await self.keep_decode_speed()
         await self._stop_process()
 

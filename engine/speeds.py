@@ -3,8 +3,9 @@ chosen by what this machine did (:func:`engine.models.choose_cpu_model`), not by
 from its cores alone.
 
 The llama.cpp engine measures every completion it streams (:class:`DecodeMeter`) and writes the
-median to ``decode-speeds.json`` in ember's cache folder, under the model's name and the cores
-it ran on; a start on the same number of cores reads it back (:func:`measured_decode`).
+median to ``decode-speeds.json`` in ember's cache folder (after :data:`FIRST_SAVE` completions,
+and again at close), under the model's name and the cores it ran on; a start on the same number
+of cores reads it back (:func:`measured_decode`).
 """
 
 from __future__ import annotations

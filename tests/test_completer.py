@@ -738,10 +738,9 @@ def test_every_engines_counters_and_restarts_reach_prometheus() -> None:
 async def test_ember_stats_counts_what_the_process_holds(tmp_path: object) -> None:
     """Descriptors, threads and tasks, the numbers a leak grows, follow what the process opens."""
     import pathlib
+    import threading
 
     from lsp.stats import process_holdings
-
-    import threading
 
     before = process_holdings()
     files = [open(pathlib.Path(str(tmp_path)) / f"f{i}", "w") for i in range(5)]  # noqa: SIM115
