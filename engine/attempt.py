@@ -47,6 +47,10 @@ class _End:
     cancelled: bool = False
 
 
+# What a request on a connection the server has closed meets before any answer: the close
+# (RemoteProtocolError "Server disconnected without sending a response"), or a reset.
+UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
 _FINISHED = object()  # the completion was complete and nothing more came in time
 
 
@@ -81,6 +85,7 @@ class Attempts:
         self._health = health
         self._scrub = scrub
         self._active: dict[str, _Active] = {}
+        self.reconnected = 0  # requests sent again after a pooled connection was found closed
 
     async def abort(self, request_id: str) -> bool:
         """Stops the attempt for ``request_id``; False when none runs."""
@@ -150,19 +155,7 @@ class Attempts:
     ) -> None:
         """Reads one HTTP response into ``queue``; always ends with an :class:`_End`."""
         try:
-            async with self._client().stream(
-                # A UUID: llama-cpp-python's server answers HTTP 400 to any other X-Request-Id.
-                "POST", f"{replica.url}/v1/completions", json=body, headers={**headers, "X-Request-Id": str(uuid.uuid4())}
-            ) as response:
-                if response.status_code >= 400:
-                    raise self._status_error(replica, response.status_code, await response.aread())
-                if "json" in response.headers.get("content-type", ""):
-                    # A server that ignored `stream: true` answers with one JSON object.
-                    queue.put_nowait(decode_event((await response.aread()).decode("utf-8", "replace")))
-                    queue.put_nowait(DONE)
-                else:
-                    async for event in events(response.aiter_lines()):
-                        queue.put_nowait(event)
+            await self._read(replica, body, headers, queue)
             queue.put_nowait(_End())
         except asyncio.CancelledError:
             queue.put_nowait(_End(cancelled=True))
@@ -177,6 +170,34 @@ class Attempts:
             queue.put_nowait(_End(exc))
         except Exception as exc:  # noqa: BLE001 - never leave the consumer waiting
             queue.put_nowait(_End(AttemptFailed(f"reading from {replica.name} failed: {exc!r}")))
+
+    async def _read(self, replica: Replica, body: dict[str, Any], headers: dict[str, str], queue: asyncio.Queue[Any]) -> None:
+        """One response's events into ``queue``. A request that got no answer at all, on a pooled
+        connection the server had closed without saying so (llama-server closes after each
+        streamed answer, with no ``Connection: close``), is sent once more: the pool has dropped
+        that connection, and the replica is not to blame."""
+        client = self._client()
+        # A UUID: llama-cpp-python's server answers HTTP 400 to any other X-Request-Id.
+        request = client.build_request(
+            "POST", f"{replica.url}/v1/completions", json=body, headers={**headers, "X-Request-Id": str(uuid.uuid4())}
+        )
+        try:
+            response = await client.send(request, stream=True)
+        except UNANSWERED:
+            self.reconnected += 1
+            response = await client.send(request, stream=True)
+        try:
+            if response.status_code >= 400:
+                raise self._status_error(replica, response.status_code, await response.aread())
+            if "json" in response.headers.get("content-type", ""):
+                # A server that ignored `stream: true` answers with one JSON object.
+                queue.put_nowait(decode_event((await response.aread()).decode("utf-8", "replace")))
+                queue.put_nowait(DONE)
+            else:
+                async for event in events(response.aiter_lines()):
+                    queue.put_nowait(event)
+        finally:
+            await response.aclose()
 
     def _status_error(self, replica: Replica, status: int, body: bytes) -> Exception:
         detail = body[:300].decode("utf-8", "replace").strip()

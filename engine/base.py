@@ -7,8 +7,9 @@ client implement it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -65,6 +66,53 @@ class ModelInfo:
     origins: tuple[str, ...] = ()
 
 
+@dataclass
+class EngineCounters:
+    """What every engine counts, under the same names: ``requests`` streamed, ``errors`` (those that
+    ended in an :class:`EngineError`), streams ``resumed`` after a break, rounds ``retried`` after
+    an HTTP 5xx, requests sent again on a fresh connection after a reused one was found closed
+    (``reconnected``), and replicas ``marked_down``. An engine without a part (vLLM in process has
+    no connections) keeps its count at 0."""
+
+    requests: int = 0
+    errors: int = 0
+    resumed: int = 0
+    retried: int = 0
+    reconnected: int = 0
+    marked_down: int = 0
+
+    def __add__(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+@dataclass
+class EngineStats:
+    """What ``ember/stats`` and Prometheus show of an engine. ``connections_in_use``: HTTP
+    connections checked out of the engine client's pool now (None for an engine without one);
+    ``detail``: what only this kind of engine has (its process, replicas, vLLM's metrics)."""
+
+    engine: str  # "vllm", "llama.cpp" or "remote"
+    counters: EngineCounters = field(default_factory=EngineCounters)
+    connections_in_use: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, as ``ember/stats`` answers it: the counters beside the engine's own keys."""
+        return {"engine": self.engine, **asdict(self.counters), "connections_in_use": self.connections_in_use, **self.detail}
+
+
+async def counted(stream: AsyncGenerator[Chunk, None], counters: EngineCounters) -> AsyncGenerator[Chunk, None]:
+    """``stream`` with its request counted, and its error when it ends in an :class:`EngineError`."""
+    counters.requests += 1
+    try:
+        async with contextlib.aclosing(stream) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    except EngineError:
+        counters.errors += 1
+        raise
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     def count(self, text: str) -> int: ...
@@ -110,6 +158,7 @@ class Engine(Protocol):
 
     async def close(self) -> None: ...
 
-    def engine_stats(self) -> dict[str, Any]:
-        """What ``ember/stats`` and Prometheus show of the engine (its process, replicas, router)."""
+    def engine_stats(self) -> EngineStats:
+        """What ``ember/stats`` and Prometheus show of the engine: its counters, the connections it
+        holds, and its own details (its process, replicas, router)."""
         ...

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import core_fork
-from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo
+from engine.base import Chunk, EngineCounters, EngineError, EngineNotReady, EngineStats, GenerationParams, ModelInfo, counted
 from engine.token_counts import HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ class EmbeddedEngine:
         # Set by start(): the arguments vLLM runs with, and why the user's were not applied.
         self.engine_args: dict[str, Any] = {}
         self.warning: str | None = None
+        self.counters = EngineCounters()  # requests and errors; nothing here resumes or retries
 
     @property
     def ready(self) -> bool:
@@ -313,9 +314,12 @@ class EmbeddedEngine:
         self.engine_args = {k: v for k, v in engine_args.items() if k not in ("model", "served_model_name")}
         return llm
 
-    async def stream(
+    def stream(
         self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
     ) -> AsyncGenerator[Chunk, None]:
+        return counted(self._stream(prompt, params, request_id), self.counters)
+
+    async def _stream(self, prompt: str, params: GenerationParams, request_id: str) -> AsyncGenerator[Chunk, None]:
         if self._llm is None:
             raise EngineNotReady("the model is still loading")
         if self.dead:
@@ -366,18 +370,18 @@ class EmbeddedEngine:
             except Exception as exc:  # noqa: BLE001 - an unknown id is fine: it already finished
                 log.debug("abort %s: %s", request_id, exc)
 
-    def engine_stats(self) -> dict[str, float]:
-        """Running/waiting requests and prefix-cache counters from vLLM's metrics."""
+    def engine_stats(self) -> EngineStats:
+        """The counters, and running/waiting requests and prefix-cache counters from vLLM's metrics."""
+        stats = EngineStats("vllm", dataclasses.replace(self.counters))
         try:
             from vllm.v1.metrics.reader import get_metrics_snapshot
         except ImportError:  # pragma: no cover
-            return {}
-        stats: dict[str, float] = {}
+            return stats
         for metric in get_metrics_snapshot():
             name = metric.name.removeprefix("vllm:")
             value = getattr(metric, "value", None)
             if isinstance(value, (int, float)):
-                stats[name] = stats.get(name, 0.0) + float(value)
+                stats.detail[name] = stats.detail.get(name, 0.0) + float(value)
         return stats
 
     async def close(self) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo
+from engine.base import Chunk, EngineCounters, EngineError, EngineNotReady, EngineStats, GenerationParams, ModelInfo, counted
 from engine.gguf import gguf_tokenizer
 from engine.llama_build import ServerChoice, find_server
 from engine.remote import RemoteEngine
@@ -184,6 +184,7 @@ class LlamaCppEngine:
         self.decode = DecodeMeter()  # what the next start's default model is chosen by
         self.server: ServerChoice | None = None  # the llama-server binary that runs, and why
         self._keeping: asyncio.Task[None] | None = None
+        self.counters = EngineCounters()  # requests and errors; the server's client counts the rest
 
     @property
     def ready(self) -> bool:
@@ -323,13 +324,18 @@ class LlamaCppEngine:
             return " | ".join(line.strip() for line in text[-lines:])
         return ""
 
-    async def stream(
+    def stream(
         self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None
     ) -> AsyncGenerator[Chunk, None]:
         """The server's stream, in the document's slot. A warm-up whose prompt the slot holds
         already ends at once: sent, it would cut the slot's KV back to it (llama.cpp keeps one
         prompt per slot, where vLLM keeps every block), and the next request would prefill again
         what came after."""
+        return counted(self._stream(prompt, params, request_id, routing_key), self.counters)
+
+    async def _stream(
+        self, prompt: str, params: GenerationParams, request_id: str, routing_key: str | None
+    ) -> AsyncGenerator[Chunk, None]:
         if self._client is None:
             raise EngineNotReady("the model is still loading")
         if self.dead:
@@ -377,15 +383,17 @@ class LlamaCppEngine:
         if self._client is not None:
             await self._client.abort(request_id)
 
-    def engine_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {"engine": "llama.cpp", "pid": self.pid, "alive": not self.dead, "socket": self.socket_path}
+    def engine_stats(self) -> EngineStats:
+        """The counters (requests and errors counted here, the rest by the server's client), the
+        connections to the server in use, and the process, its binary and its decode speed."""
+        detail: dict[str, Any] = {"pid": self.pid, "alive": not self.dead, "socket": self.socket_path}
         if self.server is not None:
-            stats.update(binary=str(self.server.path), binary_why=self.server.why)
-        if self._client is not None:
-            stats.update(resumed=self._client.resumed, retried=self._client.retried)
+            detail.update(binary=str(self.server.path), binary_why=self.server.why)
         rate = self.decode.median()
-        stats["decode_tokens_s"] = round(rate, 1) if rate is not None else None
-        return stats
+        detail["decode_tokens_s"] = round(rate, 1) if rate is not None else None
+        served = self._client.engine_stats() if self._client is not None else EngineStats("remote")
+        counters = replace(served.counters, requests=self.counters.requests, errors=self.counters.errors)
+        return EngineStats("llama.cpp", counters, served.connections_in_use, detail)
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -30,7 +30,17 @@ from typing import Any
 import httpx
 
 from engine.attempt import AttemptFailed, Attempts, Broken
-from engine.base import Chunk, EngineError, EngineNotReady, GenerationParams, ModelInfo, Tokenizer
+from engine.base import (
+    Chunk,
+    EngineCounters,
+    EngineError,
+    EngineNotReady,
+    EngineStats,
+    GenerationParams,
+    ModelInfo,
+    Tokenizer,
+    counted,
+)  # fmt: skip
 from engine.replicas import ReplicaHealth
 from engine.routing import RemoteConfig, Replica, normalize_url, order, redact_url, session_id
 from engine.sse import int_or_none
@@ -80,7 +90,7 @@ class RemoteEngine:
         self.warning: str | None = None
         self._streams: set[str] = set()  # request ids whose stream() runs
         self._aborted: set[str] = set()  # of those, aborted between two attempts
-        self.resumed = self.retried = 0  # streams resumed after a break; 5xx rounds repeated
+        self.counters = EngineCounters()  # requests, errors, resumes and 5xx rounds repeated
         self._monitor: asyncio.Task[None] | None = None
 
     # -- Engine protocol -------------------------------------------------------------------------
@@ -141,7 +151,7 @@ class RemoteEngine:
             if r.router_workers is not None:
                 log.info("%s is a router with %d of %d workers healthy", r.name, *r.router_workers)
 
-    async def stream(
+    def stream(
         self, prompt: str, params: GenerationParams, request_id: str, *, routing_key: str | None = None,
         fields: dict[str, Any] | None = None,
     ) -> AsyncGenerator[Chunk, None]:
@@ -150,6 +160,11 @@ class RemoteEngine:
         tokens left, on the next replica (or through the same router, on another worker), up to
         ``max_resumes`` times; with greedy decoding it goes on as the broken stream would have.
         ``fields``: more of the request's body (llama.cpp's ``id_slot``)."""
+        return counted(self._stream(prompt, params, request_id, routing_key, fields), self.counters)
+
+    async def _stream(
+        self, prompt: str, params: GenerationParams, request_id: str, routing_key: str | None, fields: dict[str, Any] | None
+    ) -> AsyncGenerator[Chunk, None]:
         if not self.ready:
             raise EngineNotReady("not connected to the engine server yet")
         sent, tokens, broken = "", 0, ""
@@ -175,7 +190,7 @@ class RemoteEngine:
                     broken = self._scrub(str(exc))
                     if resumes == self.config.max_resumes:
                         raise EngineError(broken) from exc
-                    self.resumed += 1
+                    self.counters.resumed += 1
                     log.warning("request %s: %s; resuming after %d tokens", request_id, broken, tokens)
                 except EngineError as exc:
                     if not broken:
@@ -218,7 +233,7 @@ class RemoteEngine:
                     log.info("request %s: %s; trying the next replica", request_id, message)
             if not retry or backoff is None or loop.time() + backoff >= deadline:
                 break
-            self.retried += 1
+            self.counters.retried += 1
             await asyncio.sleep(backoff)
         raise EngineError(self._scrub("no engine server could serve the request: " + "; ".join(failures)))
 
@@ -253,18 +268,19 @@ class RemoteEngine:
         """Whether a router (vllm-router, SGLang's gateway) stands between ember and the engines."""
         return any(r.router_workers is not None for r in self.replicas)
 
-    def engine_stats(self) -> dict[str, Any]:
-        """For ``ember/stats`` and Prometheus: the replicas, whether a router is in front and how
-        many of its workers are healthy, and how often streams were resumed or rounds repeated."""
+    def engine_stats(self) -> EngineStats:
+        """For ``ember/stats`` and Prometheus: the counters, the connections checked out, the
+        replicas, whether a router is in front and how many of its workers are healthy."""
         workers = [r.router_workers for r in self.replicas if r.router_workers is not None]
-        return {
+        counters = replace(self.counters, reconnected=self.attempts.reconnected, marked_down=self.health.marked_down)
+        detail = {
             "replicas": [dataclasses.asdict(s) for s in self.replica_status()],
             "router": self.behind_router,
             "router_workers_healthy": sum(h for h, _ in workers) if workers else None,
             "router_workers": sum(t for _, t in workers) if workers else None,
-            "resumed": self.resumed,
-            "retried": self.retried,
         }
+        in_use = connections_in_use(self._client) if self._client is not None else None
+        return EngineStats("remote", counters, in_use, detail)
 
     def route(self, routing_key: str | None, request_id: str = "") -> list[str]:
         """The replicas (redacted URLs) a request with this key would try now, in order."""
@@ -391,3 +407,15 @@ def _load_hf_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def connections_in_use(client: httpx.AsyncClient) -> int:
+    """Connections of ``client``'s pool that are not idle: requests streaming now, or connections
+    a response never gave back (the leak that stopped ember after 64 completions). httpcore's
+    pool is reached through httpx's private ``_transport._pool``: the one place ember touches
+    httpx's internals, pinned by tests/test_remote.py."""
+    pool = getattr(getattr(client, "_transport", None), "_pool", None)
+    connections = getattr(pool, "connections", None)
+    if connections is None:
+        raise RuntimeError("httpx's client no longer has _transport._pool.connections: update connections_in_use")
+    return sum(1 for connection in connections if not connection.is_idle() and not connection.is_closed())

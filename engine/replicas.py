@@ -56,6 +56,7 @@ class ReplicaHealth:
         self.vllm = False  # the servers are vLLM's (/v1/models: owned_by "vllm")
         self.model_name = ""  # what the log-probability warm-ups ask for
         self._logprobs_warmups: dict[str, asyncio.Task[None]] = {}  # replica url -> its warm-up
+        self.marked_down = 0  # times a replica that was up was taken out
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         replica.failures += 1
@@ -63,6 +64,7 @@ class ReplicaHealth:
         delay = probe_delay(replica.failures, self.config.probe_initial, self.config.probe_max)
         replica.next_probe = asyncio.get_running_loop().time() + delay
         if replica.up:
+            self.marked_down += 1
             log.warning("engine replica %s is down (%s); probing again in %.1f s", replica.name, reason, delay)
         replica.up = False
         self.wake.set()

@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from engine.base import Engine, EngineError
+from engine.base import Engine, EngineCounters, EngineError
 from engine.loading import LoadProgress, ResolvedModel
 from engine.models import EngineChoice, choose_engine
 from lsp.completer import Completer
@@ -61,6 +61,7 @@ class EmberCore:
         self._backoff_s = 1.0
         self.restarts = 0
         self.engine_starts = 0
+        self._retired = EngineCounters()  # what the engines replaced since the start counted
         # Which embedded engine serves and why (None with an engine URL: the remote server is it).
         self.engine_choice: EngineChoice | None = None if settings.engine_url else choose_engine(settings.engine, settings.model)
         # What the process serving this core says of itself in ember/stats (the daemon sets it).
@@ -84,6 +85,12 @@ class EmberCore:
             return False
         return self.ready
 
+    def engine_counters(self) -> dict[str, int]:
+        """Every engine's counters since this process started (the replaced engines' included), and
+        how often ember restarted a dead one: what ``ember/stats`` and Prometheus show."""
+        current = self.engine.engine_stats().counters if self.engine is not None else EngineCounters()
+        return {**dataclasses.asdict(self._retired + current), "restarts": self.restarts}
+
     @property
     def engine_settings(self) -> Settings:
         """The settings the engine was (or is being) started with."""
@@ -100,6 +107,9 @@ class EmberCore:
         dead, self.engine = self.engine, None
         self.engine_error = "the engine process died; restarting it"
         log.error("engine died; restarting in %.0f s", self._backoff_s)
+
+        if dead is not None:
+            self._retired += dead.engine_stats().counters
 
         async def restart() -> None:
             if dead is not None:

@@ -43,6 +43,8 @@ def engine_state(ls: EmberServer) -> dict[str, Any]:
         "warning": core.engine_warning,
         "model": engine.model.name if engine is not None else None,
         "restarts": core.restarts,
+        # Every engine's since the start, the replaced ones' included, under the same names.
+        "counters": core.engine_counters(),
         "restarting": core.restarting,
         "starts": core.engine_starts,
         # What the prompt budgets of this editor's requests are shares of.
@@ -57,7 +59,7 @@ def engine_state(ls: EmberServer) -> dict[str, Any]:
     if engine is not None and engine.engine_args:  # a remote server runs with its own
         state["engine_args"] = engine.engine_args
     if core.engine is not None:
-        state["stats"] = core.engine.engine_stats()
+        state["stats"] = core.engine.engine_stats().as_dict()
     return state
 
 
@@ -92,10 +94,14 @@ def process_holdings() -> dict[str, int]:
     return {"descriptors": descriptors, "threads": process.num_threads(), "tasks": len(asyncio.all_tasks())}
 
 
+def resident_mib() -> float:
+    return round(psutil.Process().memory_info().rss / 2**20, 1)
+
+
 def process_memory(core: EmberCore) -> dict[str, Any]:
     """Resident memory of this process; with ``EMBER_DEBUG_MEMORY=1`` (tracemalloc started at
     launch, slow) also the source lines whose allocations grew most since the first call."""
-    memory: dict[str, Any] = {"rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1)}
+    memory: dict[str, Any] = {"rss_mib": resident_mib()}
     if tracemalloc.is_tracing():
         snapshot = tracemalloc.take_snapshot()
         if core.memory_baseline is None or not core.ready:

@@ -17,6 +17,7 @@ from lsp.engine_host import EmberCore, close_and_exit
 from lsp.metrics import prometheus_text
 from lsp.protocol import serve_stdio_messages, serve_stream_messages
 from lsp.server import build_server
+from lsp.stats import process_holdings, resident_mib
 
 log = logging.getLogger("ember")
 
@@ -28,7 +29,8 @@ async def serve_metrics(core: EmberCore, port: int) -> asyncio.Server:
             request = await asyncio.wait_for(reader.readline(), 5)
             ok = request.split(b" ")[1:2] == [b"/metrics"]
             engine = core.engine.engine_stats() if core.engine is not None else None
-            body = prometheus_text(core.metrics, engine, core.restarts).encode() if ok else b"not found\n"
+            process = {**process_holdings(), "resident_mib": resident_mib()}
+            body = prometheus_text(core.metrics, engine, core.engine_counters(), process).encode() if ok else b"not found\n"
             status = b"200 OK" if ok else b"404 Not Found"
             writer.write(
                 b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"

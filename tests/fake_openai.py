@@ -36,6 +36,7 @@ class FakeServer:
     delay_s: float = 1.5  # for "slow": the first token comes this late, then "good"
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)  # the JSON of each POST /v1/completions
+    unanswered: int = 0  # for "closing": requests that met a connection closed under them
     _server: asyncio.AbstractServer | None = None
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
@@ -86,6 +87,8 @@ class FakeServer:
             elif path == "/metrics" and self.metrics_text is not None:
                 body = self.metrics_text.encode()
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            elif path == "/v1/completions" and self.behaviour == "closing":
+                await self._closing(reader, writer)
             elif path == "/v1/completions":
                 await getattr(self, f"_{self.behaviour}")(writer, headers)
             else:  # /health and /metrics: not offered, like llama.cpp or Ollama
@@ -102,6 +105,15 @@ class FakeServer:
         writer.write(SSE_HEAD + b": keepalive\n\n" + b"event: completion\n")
         writer.write(sse(text_event(f"from-{self.tag}")) + b"\n" + b": ping\n\n" + sse(text_event(" ok")))
         writer.write(sse(text_event("", "stop")) + sse("[DONE]"))
+
+    async def _closing(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # llama-server's way: a streamed answer whose headers keep the connection open, then the
+        # connection closed under the next request sent on it, which gets no answer at all.
+        body = sse(text_event(f"from-{self.tag}")) + sse(text_event(" ok")) + sse(text_event("", "stop")) + sse("[DONE]")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the next request on this connection
+        self.unanswered += 1
 
     async def _slow(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
         await asyncio.sleep(self.delay_s)  # a long prefill queue

@@ -29,7 +29,7 @@ from context.cut import confidence
 from context.cut.confidence import Calibration
 from context.prompt.window import ApproxCounter
 from context.source.document import Document
-from engine.base import Chunk, Engine, EngineError, GenerationParams, ModelInfo
+from engine.base import Chunk, Engine, EngineCounters, EngineError, EngineStats, GenerationParams, ModelInfo
 from lsp.completer import Completer, Completion, DocumentState
 from lsp.config import Settings
 from lsp.metrics import Metrics, prometheus_text
@@ -146,8 +146,8 @@ class ScriptedEngine:
     def model(self) -> ModelInfo:
         return ModelInfo("scripted-coder", max_model_len=2048, special_tokens=FIM_TOKENS)
 
-    def engine_stats(self) -> dict[str, object]:
-        return {"calls": len(self.calls)}
+    def engine_stats(self) -> EngineStats:
+        return EngineStats("scripted", EngineCounters(requests=len(self.calls)))
 
     @property
     def tokenizer(self) -> ApproxCounter:
@@ -727,12 +727,38 @@ def test_a_session_ending_during_the_typing_pause_leaves_no_coroutine_that_never
 
 
 def test_every_engines_counters_and_restarts_reach_prometheus() -> None:
-    """llama.cpp's engine resumes and retries too: its counters are exported under the same names as
-    a remote server's, with or without a router, and ember's restarts beside them."""
-    exported = prometheus_text(Metrics(), {"engine": "llama.cpp", "pid": 1, "resumed": 2, "retried": 3}, restarts=4)
+    """Every engine's counters are exported under the same names (llama.cpp's resumes and retries
+    too, with or without a router), with ember's restarts, the connections in use and what the
+    process holds beside them."""
+    engine = EngineStats("llama.cpp", EngineCounters(requests=7, resumed=2, retried=3), connections_in_use=1, detail={"pid": 1})
+    counters = {**dataclasses.asdict(engine.counters), "restarts": 4}
+    exported = prometheus_text(Metrics(), engine, counters, {"descriptors": 12, "tasks": 3})
     assert "ember_engine_resumed_total 2" in exported and "ember_engine_retried_total 3" in exported
+    assert "ember_engine_requests_total 7" in exported and "ember_engine_reconnected_total 0" in exported
     assert "ember_engine_restarts_total 4" in exported and "ember_engine_behind_router" not in exported
+    assert "ember_engine_connections_in_use 1" in exported and "ember_process_descriptors 12" in exported
     assert "ember_engine_resumed_total" not in prometheus_text(Metrics())  # no engine yet: nothing to say
+
+
+async def test_the_counters_of_a_replaced_engine_are_kept() -> None:
+    """An engine that died and was replaced took its counters with it; ember/stats and Prometheus
+    count from the process's start, so the core keeps them and adds the new engine's."""
+    from lsp.engine_host import EmberCore
+
+    first, second = ScriptedEngine(), ScriptedEngine()
+    engines = iter([first, second])
+    core = EmberCore(Settings(debounce_ms=0, early_answer_ms=0), lambda settings, progress: next(engines))
+    await core.start_engine()
+    first.stream("a", GenerationParams(), "r1")
+    first.stream("b", GenerationParams(), "r2")
+    assert core.engine_counters()["requests"] == 2
+    core.restart_engine()  # as check_engine() does when the engine is dead
+    async with asyncio.timeout(5):  # the first restart waits 1 s
+        while core.restarting:
+            await asyncio.sleep(0.05)
+    assert core.engine is second and core.restarts == 1
+    second.stream("c", GenerationParams(), "r3")
+    assert core.engine_counters() == {**dataclasses.asdict(EngineCounters(requests=3)), "restarts": 1}
 
 
 async def test_ember_stats_counts_what_the_process_holds(tmp_path: object) -> None:

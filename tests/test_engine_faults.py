@@ -43,11 +43,13 @@ async def test_killed_engine_fails_fast_and_is_restarted(sample_text):
 
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "ember_requests_total 1" in metrics and 'ember_latency_ms{quantile="0.5"}' in metrics
+        assert "ember_engine_requests_total" in metrics and "ember_process_descriptors" in metrics
 
         # On the CPU the model runs inside the engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0, ember's
         # CPU default): no worker process of its own, which would import torch and vLLM once more.
         names = [" ".join(c.cmdline()) or c.name() for c in psutil.Process(client._server.pid).children(recursive=True)]
         assert not [n for n in names if "Worker" in n], names
+        before = (await client.protocol.send_request_async("ember/stats", {})).engine.counters.requests
         engine_core(client._server.pid).kill()
         await asyncio.sleep(0.5)
         t0 = time.monotonic()
@@ -64,6 +66,11 @@ async def test_killed_engine_fails_fast_and_is_restarted(sample_text):
         assert current["engine"]["restarts"] == 1
         engine_core(client._server.pid)  # a new engine core runs
         assert (await inline(client, uri, line, character))[0].insert_text.strip()
+        # The counters run from the process's start: the dead engine's are kept beside the new one's.
+        engine = (await client.protocol.send_request_async("ember/stats", {})).engine
+        assert engine.counters.requests == before + engine.stats.requests and engine.counters.restarts == 1
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "ember_engine_restarts_total 1" in metrics and f"ember_engine_requests_total {engine.counters.requests}" in metrics
     finally:
         await client.shutdown_async(None)
         client.exit(None)

@@ -195,7 +195,7 @@ async def test_decoding_is_measured_and_kept_for_the_next_starts_choice_of_model
     chunks = await collect(engine, RAMBLE, "measured", max_tokens=16)
     assert sum(c.token_count for c in chunks) >= 8, chunks
     assert engine.decode.completions == before + 1
-    rate = engine.engine_stats()["decode_tokens_s"]
+    rate = engine.engine_stats().detail["decode_tokens_s"]
     assert rate > 1.0, rate
     await engine.keep_decode_speed()
     assert measured_decode(usable_cores()) == {BUNDLED_NAME: pytest.approx(rate, abs=0.1)}

@@ -561,9 +561,36 @@ async def test_break_after_text_resumes_on_the_next_replica(fault: str, partial:
         assert [b["prompt"] for b in good.bodies] == ["p" + partial]
         tokens_sent = 2 if fault == "midstream" else 1  # "hel", "lo": one token per event
         assert good.bodies[0]["max_tokens"] == 8 - tokens_sent
-        assert engine.resumed == 1 and not status(engine, bad.url).up
+        assert engine.counters.resumed == 1 and not status(engine, bad.url).up
         result = await collect(engine.stream("p", PARAMS, "r2", routing_key=key))
         assert result.text == "from-1 ok" and bad.completions == 1
+
+
+async def test_a_connection_closed_under_a_request_is_dialled_again_and_nobody_is_marked_down() -> None:
+    """A server that closes every connection after a streamed answer without saying so (llama-server
+    does): the next request on the pooled connection gets no answer. It is sent once more on a fresh
+    connection; the replica is not marked down, the request does not fail, no connection stays
+    checked out."""
+    async with fakes("closing") as (server,), remote([server.url]) as engine:
+        for i in range(6):
+            result = await collect(engine.stream("p", PARAMS, f"r{i}"))
+            assert result.text == "from-0 ok", result
+        stats = engine.engine_stats()
+        assert server.unanswered >= 1 and stats.counters.reconnected == server.unanswered
+        assert stats.counters.marked_down == 0 and stats.counters.errors == 0 and stats.counters.requests == 6
+        assert status(engine, server.url).up and stats.connections_in_use == 0
+
+
+async def test_connections_in_use_counts_a_stream_until_it_is_closed() -> None:
+    """What ember/stats reports as connections in use reads httpx's pool (its private
+    ``_transport._pool``, in engine/remote.py:connections_in_use): this fails when that changes."""
+    async with fakes("stall") as (server,), remote([server.url], read_timeout=5.0) as engine:
+        assert engine.engine_stats().connections_in_use == 0
+        stream = engine.stream("p", PARAMS, "r1")
+        assert (await anext(stream)).text == "partial"
+        assert engine.engine_stats().connections_in_use == 1
+        await stream.aclose()
+        assert engine.engine_stats().connections_in_use == 0
 
 
 async def test_break_that_cannot_be_resumed_is_an_error_naming_the_replica() -> None:
@@ -586,7 +613,7 @@ async def test_a_router_that_answers_500_is_asked_again_within_the_deadline() ->
         result = await collect(engine.stream("p", PARAMS, "r1", routing_key="file:///a.py#f"))
         assert result.text == "from-0 ok" and router.completions == 3
         assert time.perf_counter() - started < engine.config.first_token_timeout + 0.5
-        assert engine.retried == 2
+        assert engine.counters.retried == 2
         # Every attempt carries the document's session id (for consistent_hash), never its path.
         sessions = {h.get("x-session-id") for _, path, h in router.requests if path == "/v1/completions"}
         assert len(sessions) == 1 and None not in sessions and "a.py" not in sessions.pop()
@@ -609,12 +636,12 @@ async def test_a_router_is_recognised_and_its_workers_counted() -> None:
         router.workers = [{"url": "http://w1:8000", "is_healthy": True}, {"url": "http://w2:8000", "is_healthy": False}]
         async with remote([router.url], metrics_interval=0.2) as engine:
             assert engine.behind_router
-            stats = engine.engine_stats()
+            stats = engine.engine_stats().detail
             assert stats["router"] and (stats["router_workers_healthy"], stats["router_workers"]) == (1, 2)
             router.workers[1]["is_healthy"] = True
-            await wait_for(lambda: engine.engine_stats()["router_workers_healthy"] == 2, 3.0, "the next /workers poll")
+            await wait_for(lambda: engine.engine_stats().detail["router_workers_healthy"] == 2, 3.0, "the next /workers poll")
         async with remote([plain.url]) as engine:
-            assert not engine.behind_router and engine.engine_stats()["router_workers"] is None
+            assert not engine.behind_router and engine.engine_stats().detail["router_workers"] is None
 
 
 async def test_client_error_is_not_retried_and_the_api_key_never_leaks(
@@ -974,7 +1001,7 @@ async def test_ember_behind_vllm_router_keeps_completing_when_a_replica_dies(vll
         # One stream through the router, whole and then with its replica killed after 3 chunks.
         params = GenerationParams(max_tokens=40)
         async with remote([router.url], first_token_timeout=10.0, read_timeout=10.0) as engine:
-            assert engine.behind_router and engine.engine_stats()["router_workers"] == 2
+            assert engine.behind_router and engine.engine_stats().detail["router_workers"] == 2
             whole = await collect(engine.stream(CODE_PROMPTS[1], params, "whole", routing_key="doc"))
             received: list[str] = []
             tokens = 0
@@ -984,7 +1011,7 @@ async def test_ember_behind_vllm_router_keeps_completing_when_a_replica_dies(vll
                 if len(received) == 3:
                     killed = await serving(a, b)
                     killed.kill()
-            assert engine.resumed == 1
+            assert engine.counters.resumed == 1
             # The resumed stream goes on from the text received: its beginning is the whole
             # stream's, and it runs to the same token budget. Its later tokens may differ from the
             # uninterrupted stream's: on a CPU that computes in bf16 the other replica's prefix
