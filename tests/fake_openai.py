@@ -115,6 +115,17 @@ class FakeServer:
         await reader.readuntil(b"\r\n\r\n")  # the next request on this connection
         self.unanswered += 1
 
+    async def _always500(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\ndead")
+
+    async def _endless(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
+        # A stream that never ends: a token every 50 ms, no finish reason, no [DONE].
+        writer.write(SSE_HEAD)
+        while True:
+            writer.write(sse(text_event(" x")))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
     async def _slow(self, writer: asyncio.StreamWriter, headers: dict[str, str]) -> None:
         await asyncio.sleep(self.delay_s)  # a long prefill queue
         await self._good(writer, headers)
