@@ -6,8 +6,8 @@ frozen engine and servers that misbehave, and does what it holds stay level?
 
 One editor session (``ember --stdio``, as an editor launches it; ``--windows 3``: three of them
 through the per-user daemon) types through real files: stretches of this repository's own Python,
-removed and typed back one key at a time, the same stretches in every pass (a ``# pass N`` line on
-top makes each pass's prompts new to the caches, so passes compare like with like). Per key: a
+removed and typed back one key at a time, the same stretches in every pass (a ``# pass N`` line just
+before each stretch makes each pass's prompts new to the caches, so passes compare like with like). Per key: a
 ``didChange``, then ``textDocument/inlineCompletion``; most answers are waited for, the rest are
 superseded (the next key comes 30-120 ms later and the open request is cancelled with
 ``$/cancelRequest``, as VS Code does); after each line a pause in which warm-ups run and the
@@ -141,11 +141,15 @@ class Window:
 
     async def type_pass(self, pass_no: int) -> None:
         for d, stretch in enumerate(self.work):
-            header = f"# pass {pass_no}\n"
-            text = header + stretch.text[: stretch.start] + stretch.text[stretch.start + stretch.keys :]
+            # The pass's marker on the line before the stretch, inside the prompt's window: each
+            # pass's prompts are new to the completion cache (a marker atop the file is not).
+            line_start = stretch.text.rfind("\n", 0, stretch.start) + 1
+            marker = stretch.text[line_start : stretch.start] + f"# pass {pass_no}\n"
+            text = stretch.text[:line_start] + marker + stretch.text[line_start : stretch.start]
+            text += stretch.text[stretch.start + stretch.keys :]
             self.send_text(stretch, text)
             rnd = chance(self.run.args.seed, "keys", self.index, pass_no, d)
-            offset = len(header) + stretch.start
+            offset = len(marker) + stretch.start
             for i in range(stretch.keys):
                 if self.run.done():
                     return
