@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import httpx
 
 from engine.base import Chunk, EngineError
@@ -71,7 +72,14 @@ class _Progress:
 class _Active:
     producer: asyncio.Task[None]
     replica: Replica
+    # The producer is stopped through anyio's scope, not Task.cancel: httpcore shields its clean-up
+    # with anyio, and a plain cancel that lands there (in httpx's close at the end of a body, or in
+    # a send) leaves the connection checked out of the pool for good.
+    scope: anyio.CancelScope
     aborted: bool = False
+
+    def stop(self) -> None:
+        self.scope.cancel()
 
 
 class Attempts:
@@ -93,14 +101,14 @@ class Attempts:
         if active is None:
             return False
         active.aborted = True
-        active.producer.cancel()
+        active.stop()
         # Closing the connection is what makes vLLM abort: wait until it is closed.
         await asyncio.gather(active.producer, return_exceptions=True)
         return True
 
     def cancel_all(self) -> None:
         for active in list(self._active.values()):
-            active.producer.cancel()
+            active.stop()
 
     async def stream(
         self, replica: Replica, body: dict[str, Any], request_id: str, headers: dict[str, str], first_token_s: float
@@ -113,8 +121,9 @@ class Attempts:
         if not replica.logprobs_ready and "logprobs" in body:
             body = {key: value for key, value in body.items() if key not in ("logprobs", "n_probs")}
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        producer = asyncio.create_task(self._produce(replica, body, headers, queue))
-        active = _Active(producer, replica)
+        scope = anyio.CancelScope()
+        producer = asyncio.create_task(self._produce(replica, body, headers, queue, scope))
+        active = _Active(producer, replica, scope)
         self._active[request_id] = active
         replica.inflight += 1
         progress = _Progress(first_token_s, first_deadline=asyncio.get_running_loop().time() + first_token_s)
@@ -141,22 +150,23 @@ class Attempts:
             if self._active.get(request_id) is active:
                 del self._active[request_id]
             if not producer.done() and progress.done:
-                # The server ended the stream: the producer is closing the response. A cancel that
-                # lands then (in httpx's close, which marks the response closed first) leaves the
-                # connection checked out of the pool for good; 64 of them, and no request gets one.
+                # The server ended the stream: reading it to its end keeps the connection for reuse.
                 await asyncio.wait({producer}, timeout=min(self.config.read_timeout, 2.0))  # as for [DONE] itself
             if not producer.done():
                 # Closing the response mid-stream closes the connection, and vLLM aborts the request.
-                producer.cancel()
+                active.stop()
                 await asyncio.gather(producer, return_exceptions=True)
 
     async def _produce(
-        self, replica: Replica, body: dict[str, Any], headers: dict[str, str], queue: asyncio.Queue[Any]
+        self, replica: Replica, body: dict[str, Any], headers: dict[str, str], queue: asyncio.Queue[Any], scope: anyio.CancelScope
     ) -> None:
         """Reads one HTTP response into ``queue``; always ends with an :class:`_End`."""
         try:
-            await self._read(replica, body, headers, queue)
-            queue.put_nowait(_End())
+            with scope:
+                await self._read(replica, body, headers, queue)
+                queue.put_nowait(_End())
+                return
+            queue.put_nowait(_End(cancelled=True))  # stopped through the scope
         except asyncio.CancelledError:
             queue.put_nowait(_End(cancelled=True))
             raise
