@@ -64,6 +64,9 @@ VLLM_ONLY_ARGS = frozenset({
     "tensor_parallel_size", "kv_cache_dtype", "enable_chunked_prefill", "speculative_config", "quantization", "dtype",
 })
 START_TIMEOUT_S = 120.0
+# A /health unanswered this long: the server is stopped (SIGSTOP, a suspended VM) or stuck, and
+# each request sent now would wait in it and be prefilled at the thaw, ahead of the user's next.
+UNANSWERED_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,8 @@ class LlamaCppEngine:
         self.decode = DecodeMeter()  # what the next start's default model is chosen by
         self.server: ServerChoice | None = None  # the llama-server binary that runs, and why
         self._keeping: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self.silent_since: float | None = None  # when a /health went unanswered, until one is answered
         self.counters = EngineCounters()  # requests and errors; the server's client counts the rest
 
     @property
@@ -340,6 +345,10 @@ class LlamaCppEngine:
             raise EngineNotReady("the model is still loading")
         if self.dead:
             raise EngineError(f"llama-server died (exit code {self._exit_code()}); ember is restarting it")
+        if self.silent_since is not None:
+            silent = time.monotonic() - self.silent_since
+            silence = f"llama-server has not answered for {silent:.0f} s (stopped or stuck)"
+            raise EngineError(f"{silence}; nothing is sent until it answers")
         slot = self._slots.slot_for(routing_key)
         if params.warm_up and self._slots.holds(slot, prompt):
             yield Chunk(text="", finish_reason="cached")
@@ -364,6 +373,37 @@ class LlamaCppEngine:
         finally:
             self._slots.filled(slot, None if text is None else prompt + text)
             self._measured(tokens, last - first)
+            if text is None:  # ended before the server answered anything: is it answering at all?
+                self._ask_health()
+
+    def _ask_health(self) -> None:
+        if self._probe is None or self._probe.done():
+            with contextlib.suppress(RuntimeError):  # no loop: a stream finalised at shutdown
+                self._probe = asyncio.get_running_loop().create_task(self._health())
+
+    async def _health(self) -> None:
+        """Asks /health (answered by the server's HTTP threads, beside any generation); when no
+        answer comes within :data:`UNANSWERED_S`, requests are refused until one does."""
+        path = self.socket_path
+        if path is None:
+            return
+        asked = time.monotonic()
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path), timeout=None) as http:
+            answer = asyncio.ensure_future(http.get("http://llama-server/health"))
+            try:
+                while not self.dead:
+                    done, _ = await asyncio.wait({answer}, timeout=UNANSWERED_S)
+                    if done:
+                        break
+                    if self.silent_since is None:
+                        self.silent_since = asked
+                        log.warning("llama-server has not answered /health for %.0f s: refusing requests", UNANSWERED_S)
+            finally:
+                answer.cancel()
+                await asyncio.gather(answer, return_exceptions=True)
+        if self.silent_since is not None:
+            log.warning("llama-server answers again after %.1f s", time.monotonic() - self.silent_since)
+            self.silent_since = None
 
     def _measured(self, tokens: int, seconds: float) -> None:
         measured = self.decode.completions
@@ -387,6 +427,7 @@ class LlamaCppEngine:
         """The counters (requests and errors counted here, the rest by the server's client), the
         connections to the server in use, and the process, its binary and its decode speed."""
         detail: dict[str, Any] = {"pid": self.pid, "alive": not self.dead, "socket": self.socket_path}
+        detail["silent_s"] = round(time.monotonic() - self.silent_since, 1) if self.silent_since is not None else None
         if self.server is not None:
             detail.update(binary=str(self.server.path), binary_why=self.server.why)
         rate = self.decode.median()
@@ -399,6 +440,9 @@ class LlamaCppEngine:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
         if self._keeping is not None:
             await self._keeping
         if self.decode.completions >= FIRST_SAVE:  # a few completions would replace a longer record with noise

@@ -281,8 +281,8 @@ class Completer:
         finally:
             if not detached and this.state.running is this:
                 this.state.running = None
-        if not generated:
-            return Completion("", metrics.finish(started))
+        if not generated:  # an engine error or not ready: recorded, so that ember/stats says why
+            return self._done(this.state, this.cursor, "", metrics, started)
         final = this.text()
         self._cache(this, final)
         return self._done(this.state, this.cursor, final, metrics, started)

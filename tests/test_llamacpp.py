@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,7 @@ from engine.routing import RemoteConfig, parse_prometheus
 from lsp.config import Settings
 from lsp.engine_host import EmberCore
 from tests.conftest import DATA, wait_ready
+from tests.load_driver import LoadConfig, connect, disconnect, load_server, plain, start_tcp
 from tests.test_daemon import Window, daemon_processes
 from tests.test_server import inline, type_text
 
@@ -617,6 +619,83 @@ async def test_an_empty_answer_says_which_step_emptied_it(tmp_path: Path, llama_
         hidden = await inline(types.Position(line=line, character=character))
         last = (await window.stats())["last_for_uri"]
         assert hidden == "" and last["outcome"] == "hidden" and last["why_empty"].startswith("its confidence"), last
+    finally:
+        await window.close()
+
+
+async def test_two_hundred_completions_leave_nothing_checked_out_or_open(tmp_path: Path) -> None:
+    """Completions that run to their end ([DONE]) once left their connection checked out of the
+    pool, and after 64 of them ember answered nothing (issue 46); requests stopped at the wrong
+    moment did the same (issue 54). 200 completions through the real llama-server, two editors
+    typing at once: every one answered, none an error, and connections in use, tasks and
+    descriptors back to their level after the first completions."""
+    proc, address = start_tcp(
+        ["--tcp", "127.0.0.1:0", "--engine", "llamacpp", "--model", "bundled", "--max-tokens", "8", "--log-level", "WARNING"],
+        tmp_path / "ember.log",
+    )
+    probe = await connect(address, {})
+    try:
+        await wait_ready(probe, 120)
+        first = await load_server(LoadConfig(sessions=1, documents=2, requests=30, max_tokens=8), address, proc.pid)
+        assert first.answered == 30 and not first.errors, first.errors[:3]
+        before = await idle_holdings(probe)
+        report = await load_server(LoadConfig(sessions=2, documents=6, requests=200, max_tokens=8, seed=3), address, proc.pid)
+        assert report.answered == 200 and not report.errors, report.errors[:3]
+        after = await idle_holdings(probe)
+        assert after["connections_in_use"] == 0 and after["errors"] == 0, after
+        assert after["requests"] >= before["requests"] + 80, (before, after)  # generated, not all typed through or cached
+        assert after["descriptors"] <= before["descriptors"] + 2 and after["tasks"] <= before["tasks"] + 2, (before, after)
+    finally:
+        await disconnect(probe)
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+async def idle_holdings(client: Any, timeout_s: float = 10.0) -> dict[str, int]:
+    """Descriptors, tasks, connections in use and the engine's counters, once no generation runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = plain(await client.protocol.send_request_async("ember/stats", {}))
+        held = {**stats["process"], "connections_in_use": stats["engine"]["stats"]["connections_in_use"], **stats["engine"]["counters"]}
+        if held["connections_in_use"] == 0 or time.monotonic() > deadline:
+            return held
+        await asyncio.sleep(0.2)
+
+
+async def test_a_frozen_server_is_answered_within_the_deadline_and_serves_again_after_the_thaw(tmp_path: Path) -> None:
+    """A SIGSTOPped llama-server is not dead (its process runs on), so nothing restarts it: each
+    request is answered within timeoutMs, empty, saying why; once a /health has gone unanswered
+    for 2 s nothing more is sent (each would wait in the server and be prefilled at the thaw,
+    ahead of the user's next); after SIGCONT completions come back at once, without a restart."""
+    window = Window(tmp_path, "--daemon", "off", "--engine", "llamacpp", "--model", "bundled", "--max-tokens", "8", "--timeout-ms", "1500")
+    try:
+        await window.open({"reuse": False})
+        ready = await wait_ready(window.client, 120)
+        text = CODE + "\n\ndef cheapest(items):\n    return "
+        window.did_open(text)
+        await window.complete_at_end(text)
+        pid = (await window.stats())["engine"]["stats"]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        whys = []
+        try:
+            current, version = text, 1
+            while not any("has not answered" in why for why in whys) and version < 10:
+                version += 1
+                current = window.type_at_end(" x", current, version)
+                started = time.monotonic()
+                assert await window.complete_at_end(current) == ""
+                assert time.monotonic() - started < 1.5 + 1.0
+                whys.append((await window.stats())["last_for_uri"]["why_empty"])
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert "deadline" in whys[0] and "has not answered" in whys[-1] and len(whys) <= 5, whys
+        current = window.type_at_end(" + min(", current, version + 1)
+        thawed = time.monotonic()
+        await window.complete_at_end(current)
+        stats = await window.stats()
+        assert stats["last_for_uri"]["streamed_tokens"] > 0, stats["last_for_uri"]  # the engine answered
+        assert time.monotonic() - thawed < 1.5 + 1.0, ready
+        assert stats["engine"]["restarts"] == 0 and stats["engine"]["stats"]["pid"] == pid, stats["engine"]
     finally:
         await window.close()
 
