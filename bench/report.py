@@ -315,44 +315,47 @@ def replay(path: Path, title: str = "Typing replay (bench/replay.py)") -> list[s
     return lines + [""]
 
 
-def load(path: Path) -> list[str]:
-    """Eight editors at once over TCP: lost requests, tail latency, memory growth."""
+def soak(path: Path) -> list[str]:
+    """One editor session (or three windows) through thousands of completions and faults: the bounds and the fault rows."""
     data, problem = read_json(path)
-    lines = heading("Load: sessions over TCP (bench/load.py)", path)
+    lines = heading(f"Soak (bench/soak.py, {path.name})", path)
     if data is None:
         return lines + [problem, ""]
-    machine = obj(get(data, "machine"))
-    config = obj(get(data, "config"))
     s = obj(get(data, "summary"))
     lines += [
         date_line(path, data.get("date")),
-        machine_line(machine),
-        commit_line(data.get("commit") or machine.get("commit")),
-        f"- recorded config: `{key_values(config)}`" if config else "- recorded config: not recorded",
-        f"- took: model load {num(get(s, 'load_s'))} s, run {num(get(s, 'run_s'))} s",
+        machine_line(data.get("machine")),
+        commit_line(data.get("commit")),
+        f"- command: `{data.get('command') or 'not recorded'}`",
+        f"- took: {num(get(s, 'run_s'))} s",
         "",
     ]
     if not s:
         return lines + [NO_RESULTS, ""]
-    lat = get(s, "latency_ms") or {}
-    rss = get(s, "ember_rss_mib") or {}
-    outcomes = get(s, "server_outcomes")
-    rows = [
-        ["requests sent / answered / lost", " / ".join(num(get(s, k), "d") for k in ("requests_sent", "answered", "lost"))],
-        ["errors", num(get(s, "errors"), "d")],
-        ["empty answers", num(get(s, "empty_answers"), "d")],
-        ["latency_ms p50 / p95 / p99", " / ".join(num(get(lat, k)) for k in ("p50", "p95", "p99"))],
-        ["ember RSS MiB at 10% / max / end", " / ".join(num(get(rss, k)) for k in ("at_10pct", "max", "end"))],
-        ["ember RSS growth after 10% (MiB)", num(get(rss, "growth_after_10pct"))],
-        ["ember + engine PSS max (MiB)", num(get(s, "total_pss_mib_max"))],
-        ["server outcomes", json.dumps(outcomes) if outcomes is not None else "-"],
+    lat = obj(get(s, "latency_ms"))
+    lines += [
+        f"{num(get(s, 'requests'), 'd')} requests: {num(get(s, 'answered'), 'd')} answered, "
+        f"{num(get(s, 'cancelled'), 'd')} cancelled, {num(get(s, 'errors'), 'd')} errors, latency p50 / p95 "
+        f"{num(get(lat, 'p50'))} / {num(get(lat, 'p95'))} ms; engine counters at the end: "
+        f"{key_values(obj(get(s, 'counters_end')))}",
+        "",
     ]
-    lines += markdown(["", "value"], rows)
-    errors = seq(get(data, "errors"))
-    if errors:
-        lines += ["", f"first errors (of {num(get(s, 'errors'), 'd')}):", ""] + [f"- `{e}`" for e in errors[:3]]
+    bounds = [
+        [name, num(v.get("at_steady", v.get("second"))), num(v.get("end", v.get("last", v.get("value")))),
+         "ok" if v.get("ok") else "MISS"]
+        for name, v in obj(get(data, "verdicts")).items() if isinstance(v, dict) and "ok" in v
+    ]
+    lines += markdown(["bound", "from", "to", "verdict"], bounds)
+    faults = seq(get(data, "faults"))
+    if faults:
+        lines.append("")
+        lines += markdown(["fault", "at", "lasted s", "next good after end s", "requests", "late", "told"], (
+            [str(get(f, "fault")), num(get(f, "at"), "d"), num(get(f, "lasted_s"), ".1f"),
+             num(get(f, "next_good_after_end_s"), ".1f"), num(get(f, "requests"), "d"),
+             num(get(f, "without_answer_in_time"), "d"), "; ".join(seq(get(f, "told")))[:120] or "-"]
+            for f in faults
+        ))
     return lines + [""]
-
 
 def daemon(path: Path) -> list[str]:
     """Editor windows sharing the per-user daemon vs each its own engine (--daemon off)."""
@@ -560,7 +563,8 @@ def report(results: Path = RESULTS) -> str:
     ]
     lines += prompt_stability(results / "prompt_stability.json")
     lines += replay(results / "replay.json")
-    lines += load(results / "load.json")
+    for path in sorted(results.glob("soak-*.json")):
+        lines += soak(path)
     lines += daemon(results / "daemon.json")
     for name in (*QUALITY_FILES, *extra_quality):
         lines += quality(results / name)

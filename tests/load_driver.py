@@ -1,6 +1,6 @@
 """Several editors typing at once over TCP against one ember process: the driver that
-tests/test_load.py asserts on and bench/load.py reports (it lives here because tests never import
-bench; bench may import tests).
+tests/test_load.py asserts on (it lives here because tests never import bench; bench may import
+tests: bench/soak.py takes its source files).
 
 Each session owns every ``sessions``-th of the documents, cut from real source files (this
 repository's own Python, so that a run needs nothing fetched), and opens them all first. In each
@@ -144,7 +144,7 @@ class LoadReport:
         return [m for m in self.memory if m.requests_done >= share * self.config.requests]
 
     def summary(self) -> dict[str, Any]:
-        """What the tests assert on (bench/load.py adds the latency percentiles)."""
+        """What the tests assert on."""
         steady = self.memory_after(0.1)
         first = steady[0] if steady else None
         return {
