@@ -9,6 +9,7 @@ identical; other vocabularies still go through transformers, which the light ins
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -99,8 +100,6 @@ def gguf_tokenizer(gguf: Path, cache_dir: Path | None = None) -> TokenizersToken
     """The GGUF file's tokenizer, written once as ``tokenizer.json`` into the cache (transformers
     reads it from the GGUF metadata in ~10 s; the ``tokenizers`` library loads the JSON in ~0.2 s).
     Blocking: run it in a worker thread."""
-    import tokenizers
-
     cache_dir = cache_dir or default_cache_dir()
     key = gguf_key(gguf)
     target = cache_dir / "tokenizers" / f"{key}.json"
@@ -124,7 +123,16 @@ def gguf_tokenizer(gguf: Path, cache_dir: Path | None = None) -> TokenizersToken
                 ) from exc
             AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).backend_tokenizer.save(str(staged))
         staged.rename(target)
-    return TokenizersTokenizer(tokenizers.Tokenizer.from_file(str(target)))
+    return loaded_tokenizer(str(target))
+
+
+@functools.lru_cache(maxsize=4)
+def loaded_tokenizer(path: str) -> TokenizersTokenizer:
+    """The tokenizer JSON at ``path`` (named by the GGUF's content), loaded once per process: a
+    restarted engine takes the same one (loaded again, ember's RSS rose 22 MiB at the first restart)."""
+    import tokenizers
+
+    return TokenizersTokenizer(tokenizers.Tokenizer.from_file(path))
 
 
 # ------------------------------------------------------------------------ metadata, tokenizer

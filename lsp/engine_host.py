@@ -30,6 +30,10 @@ from lsp.workspaces import IndexRegistry
 
 log = logging.getLogger(__name__)
 
+# An engine that served this long before it died is restarted after 1 s again, not after the
+# doubled wait of a crash loop (1, 2, 4 ... 60 s).
+STABLE_S = 60.0
+
 
 class EmberCore:
     """Process-wide state: the engine, the completion caches and the metrics.
@@ -59,6 +63,7 @@ class EmberCore:
         self._restart_task: asyncio.Task[None] | None = None
         self._engine_settings = settings
         self._backoff_s = 1.0
+        self._serving_since: float | None = None  # monotonic time the engine became ready
         self.restarts = 0
         self.engine_starts = 0
         self._retired = EngineCounters()  # what the engines replaced since the start counted
@@ -106,10 +111,13 @@ class EmberCore:
             return
         dead, self.engine = self.engine, None
         self.engine_error = "the engine process died; restarting it"
-        log.error("engine died; restarting in %.0f s", self._backoff_s)
-
         if dead is not None:
             self._retired += dead.engine_stats().counters
+        if self._serving_since is not None and time.monotonic() - self._serving_since >= STABLE_S:
+            self._backoff_s = 1.0  # it served a while: a kill now and then, not a crash loop
+        self._serving_since = None
+
+        log.error("engine died; restarting in %.0f s", self._backoff_s)
 
         async def restart() -> None:
             if dead is not None:
@@ -140,6 +148,7 @@ class EmberCore:
             engine = await asyncio.to_thread(self._engine_factory, settings, self.load_progress)
             await engine.start()
             self.engine = engine
+            self._serving_since = time.monotonic()
             self.engine_error = None
             notes = (remote_engine_args_note(settings), engine.warning)
             self.engine_warning = "; ".join(note for note in notes if note) or None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import re
 from collections.abc import AsyncIterator, Callable
@@ -759,6 +760,35 @@ async def test_the_counters_of_a_replaced_engine_are_kept() -> None:
     assert core.engine is second and core.restarts == 1
     second.stream("c", GenerationParams(), "r3")
     assert core.engine_counters() == {**dataclasses.asdict(EngineCounters(requests=3)), "restarts": 1}
+
+
+async def test_an_engine_that_served_a_while_is_restarted_at_once_a_crash_loop_waits_longer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each quick death doubles the wait before the next start (no restart storm); an engine that
+    served STABLE_S before it died is restarted after 1 s again (six kills over a soak waited 32 s
+    for the sixth restart before)."""
+    from lsp import engine_host
+
+    monkeypatch.setattr(engine_host, "STABLE_S", 0.3)
+    engines = iter([ScriptedEngine() for _ in range(4)])
+    core = engine_host.EmberCore(Settings(debounce_ms=0, early_answer_ms=0), lambda settings, progress: next(engines))
+    await core.start_engine()
+
+    async def die_and_come_back() -> None:
+        core.restart_engine()
+        async with asyncio.timeout(10):
+            while core.restarting:
+                await asyncio.sleep(0.02)
+
+    with caplog.at_level(logging.ERROR, logger="lsp.engine_host"):
+        await die_and_come_back()  # at once: 1 s
+        await die_and_come_back()  # at once again: a crash loop, 2 s
+        await asyncio.sleep(0.4)
+        await die_and_come_back()  # after serving STABLE_S: 1 s again
+    waits = [r.getMessage() for r in caplog.records if "restarting in" in r.getMessage()]
+    assert waits == ["engine died; restarting in 1 s", "engine died; restarting in 2 s", "engine died; restarting in 1 s"], waits
+    assert core.restarts == 3
 
 
 async def test_ember_stats_counts_what_the_process_holds(tmp_path: object) -> None:
