@@ -166,6 +166,8 @@ class Ember:
     async def _drain_stderr(self, stream: asyncio.StreamReader | None) -> None:
         if stream is None:
             return
+        if self.log_path is not None:  # a fresh clone has no bench/.cache yet
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with (self.log_path or Path(os.devnull)).open("wb") as log:
             while chunk := await stream.read(65536):
                 log.write(chunk)

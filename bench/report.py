@@ -349,9 +349,10 @@ def soak(path: Path) -> list[str]:
     faults = seq(get(data, "faults"))
     if faults:
         lines.append("")
-        lines += markdown(["fault", "at", "lasted s", "next good after end s", "requests", "late", "told"], (
+        header = ["fault", "at", "lasted s", "next good after end s", "engine answered after end s", "requests", "late", "told"]
+        lines += markdown(header, (
             [str(get(f, "fault")), num(get(f, "at"), "d"), num(get(f, "lasted_s"), ".1f"),
-             num(get(f, "next_good_after_end_s"), ".1f"), num(get(f, "requests"), "d"),
+             num(get(f, "next_good_after_end_s"), ".1f"), num(get(f, "next_answer_after_end_s"), ".1f"), num(get(f, "requests"), "d"),
              num(get(f, "without_answer_in_time"), "d"), "; ".join(seq(get(f, "told")))[:120] or "-"]
             for f in faults
         ))

@@ -68,6 +68,7 @@ class Fault:
     started: float = 0.0  # perf_counter
     ended: float = 0.0  # the engine thawed, the server behaves again (kill: = started)
     first_good: float | None = None  # the first non-empty answer sent after it ended
+    first_answer: float | None = None  # the first request after it ended that the engine answered (text, maybe cut to nothing)
     detail: str = ""
 
 
@@ -83,6 +84,7 @@ class Request:
     error: str = ""
     text: str = ""
     why_empty: str = ""
+    streamed: bool = False  # the engine sent tokens (the answer may still be empty: cut to nothing)
 
 
 @dataclass
@@ -224,6 +226,10 @@ class Soak:
         if not request.text and self.in_fault(request):
             last = (await window.ember.stats(request.uri))["last_for_uri"] or {}
             request.why_empty = str(last.get("why_empty") or "(the model's text, cut to nothing)")
+            request.streamed = bool(last.get("streamed_tokens"))
+        for fault in self.faults:
+            if fault.started and fault.first_answer is None and (request.text or request.streamed) and request.sent >= fault.ended > 0:
+                fault.first_answer = time.perf_counter()
 
     def in_fault(self, request: Request) -> bool:
         return any(f.started and f.started <= request.sent and (f.first_good is None or request.sent < f.first_good) for f in self.faults)
@@ -387,13 +393,15 @@ def fault_rows(soak: Soak) -> list[dict[str, Any]]:
         why: dict[str, int] = {}
         for r in inside:
             if not r.text and not r.error:
-                why[r.why_empty or "?"] = why.get(r.why_empty or "?", 0) + 1
+                reason = re.sub(r"\b\d+ s\b", "N s", r.why_empty or "?")  # 'not answered for 3 s' and '4 s' alike
+                why[reason] = why.get(reason, 0) + 1
         told = sorted({m for t, m in soak.messages if fault.started <= t < end + 5})
         rows.append({
             "fault": fault.name, "at": fault.at, "detail": fault.detail,
             "lasted_s": round(fault.ended - fault.started, 2) if fault.ended else None,
             "next_good_after_start_s": round(fault.first_good - fault.started, 2) if fault.first_good else None,
             "next_good_after_end_s": round(fault.first_good - fault.ended, 2) if fault.first_good and fault.ended else None,
+            "next_answer_after_end_s": round(fault.first_answer - fault.ended, 2) if fault.first_answer and fault.ended else None,
             "requests": len(inside), "without_answer_in_time": len(late), "why_empty": why, "told": told,
         })  # fmt: skip
     return rows
@@ -456,8 +464,9 @@ def print_report(data: dict[str, Any]) -> None:
     print(table(["bound", "from", "to", "verdict"], rows))
     if data["faults"]:
         print(table(
-            ["fault", "at", "lasted s", "next good after start / end s", "requests", "late", "why empty", "told"],
+            ["fault", "at", "lasted s", "next good after start / end s", "engine answered after end s", "requests", "late", "why empty", "told"],
             [(f["fault"], f["at"], fmt(f["lasted_s"], ".1f"), f"{fmt(f['next_good_after_start_s'], '.1f')} / {fmt(f['next_good_after_end_s'], '.1f')}",
+              fmt(f.get("next_answer_after_end_s"), ".1f"),
               f["requests"], f["without_answer_in_time"], f["why_empty"], "; ".join(f["told"])[:160]) for f in data["faults"]],
         ))  # fmt: skip
 
