@@ -582,6 +582,20 @@ async def test_a_connection_closed_under_a_request_is_dialled_again_and_nobody_i
         assert status(engine, server.url).up and stats.connections_in_use == 0
 
 
+async def test_a_pool_of_closed_connections_is_dialled_through_and_nobody_is_marked_down() -> None:
+    """After a burst of requests the pool holds several connections the server closed: a request
+    meets one, its retry the next. Each is dropped in turn until a fresh connection answers
+    (one retry alone marked the replica down here)."""
+    async with fakes("closing") as (server,), remote([server.url]) as engine:
+        burst = await asyncio.gather(*(collect(engine.stream("p", PARAMS, f"b{i}")) for i in range(4)))
+        assert all(result.text == "from-0 ok" for result in burst)
+        for i in range(4):
+            assert (await collect(engine.stream("p", PARAMS, f"r{i}"))).text == "from-0 ok"
+        stats = engine.engine_stats()
+        assert stats.counters.reconnected >= 2 and stats.counters.marked_down == 0 and stats.counters.errors == 0, stats
+        assert status(engine, server.url).up
+
+
 @pytest.mark.parametrize("behaviour", ["good", "closing"])
 async def test_streams_stopped_at_any_moment_leave_no_connection_checked_out(behaviour: str) -> None:
     """Typing cancels requests at any moment: in the send, mid-body, or while httpx closes a body
