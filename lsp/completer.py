@@ -230,6 +230,9 @@ class Completer:
         metrics.cross_file_why = [f"{snippet.path}: {reason}" for snippet in cross_file.snippets for reason in snippet.reasons]
         chosen = strategy(settings.prompt_strategy, settings.postprocess)
         prompt = self._prompt(engine, site, settings, chosen)
+        if not prompt.text:  # an empty document and a prefix-only model: nothing to continue (vLLM refuses it)
+            metrics.outcome, metrics.why_empty = "empty", "nothing before the cursor to continue"
+            return Completion("", metrics.finish(started))
         metrics.layout = prompt.layout
         metrics.layout_fallback = settings.fim_layout == "append" and prompt.layout == "classic"
         cache_key = _cache_key(prompt, site.mode, settings, site.suffix)
